@@ -1,0 +1,134 @@
+"""The kit's error tree: every failure a user can cause has an HTTP status and a stable code.
+
+    KitError (500 internal_error)
+    ├── InvalidRequest (400 invalid_request)
+    │   └── PayloadTooLarge (413 payload_too_large)
+    ├── ImageError (400 invalid_image)
+    │   ├── ImageFetchError (400 image_fetch_failed)
+    │   ├── ImageForbidden (400 image_url_forbidden)
+    │   └── ImageTooLarge (413 image_too_large)
+    ├── SessionError (400 session_error)
+    │   ├── SessionNotFound (400 session_not_found)
+    │   ├── SessionExpired (400 session_expired)
+    │   ├── SessionClosed (400 session_closed)
+    │   ├── SessionLost (400 session_lost)
+    │   └── SessionBusy (409 session_busy)
+    ├── CapacityExceeded (429 capacity_exceeded)
+    └── Cancelled (499 cancelled)
+
+The handler answers each request with `error.to_body()` and `error.status`; anything that is
+not a `KitError` is logged with its traceback and answered 500 without one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class KitError(Exception):
+    """Base of every error the kit answers to a client."""
+
+    status: int = 500
+    code: str = "internal_error"
+
+    def __init__(self, message: str, *, field: str | None = None, **details: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+        self.details = details
+
+    def to_body(self) -> dict[str, Any]:
+        """Render the JSON error body `{"error": {"code", "message", ...}}`."""
+        error: dict[str, Any] = {"code": self.code, "message": self.message}
+        if self.field is not None:
+            error["field"] = self.field
+        error.update(self.details)
+        return {"error": error}
+
+
+class InvalidRequest(KitError):
+    status, code = 400, "invalid_request"
+
+
+class PayloadTooLarge(InvalidRequest):
+    status, code = 413, "payload_too_large"
+
+
+class ImageError(KitError):
+    status, code = 400, "invalid_image"
+
+
+class ImageFetchError(ImageError):
+    code = "image_fetch_failed"
+
+
+class ImageForbidden(ImageError):
+    code = "image_url_forbidden"
+
+
+class ImageTooLarge(ImageError):
+    status, code = 413, "image_too_large"
+
+
+class SessionError(KitError):
+    status, code = 400, "session_error"
+
+
+class SessionNotFound(SessionError):
+    code = "session_not_found"
+
+
+class SessionExpired(SessionError):
+    code = "session_expired"
+
+
+class SessionClosed(SessionError):
+    code = "session_closed"
+
+
+class SessionLost(SessionError):
+    code = "session_lost"
+
+
+class SessionBusy(SessionError):
+    status, code = 409, "session_busy"
+
+
+class CapacityExceeded(KitError):
+    """No room for another session; the client should retry later."""
+
+    status, code = 429, "capacity_exceeded"
+
+    def __init__(self, message: str, *, retry_after_s: int = 5, **details: Any) -> None:
+        super().__init__(message, retry_after_s=retry_after_s, **details)
+        self.retry_after_s = retry_after_s
+
+
+class Cancelled(KitError):
+    """The client went away or the session closed while an answer was being generated."""
+
+    status, code = 499, "cancelled"
+
+
+def from_body(status: int, body: Any) -> KitError:
+    """Rebuild the typed error from an HTTP status and a JSON error body (used by the client)."""
+    error = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(error, dict):
+        return KitError(f"HTTP {status}: {str(body)[:500]}")
+    code = str(error.get("code", ""))
+    message = str(error.get("message", f"HTTP {status}"))
+    cls = _BY_CODE.get(code, KitError)
+    details = {k: v for k, v in error.items() if k not in {"code", "message", "field"}}
+    if cls is CapacityExceeded:
+        return CapacityExceeded(message, **details)
+    err = cls(message, field=error.get("field"), **details)
+    if cls is KitError:
+        err.status, err.code = status, code or err.code
+    return err
+
+
+def _subclasses(cls: type[KitError]) -> list[type[KitError]]:
+    return [cls] + [s for c in cls.__subclasses__() for s in _subclasses(c)]
+
+
+_BY_CODE: dict[str, type[KitError]] = {c.code: c for c in _subclasses(KitError)}
