@@ -1,0 +1,56 @@
+"""Command line: `python -m llava <command>`; `python -m llava -h` lists the commands."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _archive(args: argparse.Namespace) -> None:
+    from llava.archive import build_archive, resolve_model
+
+    model_dir = resolve_model(args.model, args.cache_dir)
+    path = build_archive(model_dir, args.out, name=args.name, archive_format=args.format)
+    print(path)
+
+
+def _build_tiny(args: argparse.Namespace) -> None:
+    from llava.tiny import build_checkpoint
+
+    print(build_checkpoint(args.out, profile=args.profile, seed=args.seed, overwrite=True))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Describe every command and its options."""
+    parser = argparse.ArgumentParser(prog="python -m llava", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    archive = commands.add_parser("archive", help="build the TorchServe model archive")
+    archive.add_argument(
+        "--model",
+        default="tiny",
+        help="tiny | llava15 (random weights) | a checkpoint directory | a Hugging Face id "
+        "such as llava-hf/llava-1.5-7b-hf (default: tiny)",
+    )
+    archive.add_argument("--out", default="model-store", help="export directory")
+    archive.add_argument("--name", default="llava", help="model name in TorchServe")
+    archive.add_argument("--format", default="no-archive", choices=["no-archive", "default", "tgz"])
+    archive.add_argument("--cache-dir", default="build/models", help="where checkpoints go")
+    archive.set_defaults(run=_archive)
+
+    tiny = commands.add_parser("build-tiny", help="write a random-weight LLaVA checkpoint")
+    tiny.add_argument("out")
+    tiny.add_argument("--profile", default="tiny", choices=["tiny", "llava15"])
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(run=_build_tiny)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse arguments and run the chosen command."""
+    args = build_parser().parse_args(argv)
+    args.run(args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

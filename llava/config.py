@@ -1,0 +1,138 @@
+"""Server configuration: one frozen dataclass from model-config.yaml's `handler:` section.
+
+Every field can be overridden by an environment variable `LLAVA_<FIELD>` (upper case), which is
+how the SageMaker model's `Environment` tunes a deployed endpoint without rebuilding the archive.
+Values are validated at start with messages that say what to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from llava.protocol import Limits
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+ENV_PREFIX = "LLAVA_"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Settings of one TorchServe worker serving LLaVA sessions."""
+
+    # Model placement
+    device: str = "auto"  # "auto" (every visible GPU, else CPU), "cpu", "cuda", "cuda:1"
+    dtype: str = "auto"  # auto: bfloat16 (or float16) on GPU, float32 on CPU
+    attn_implementation: str = "sdpa"
+    max_replicas: int = 0  # on multi-GPU hosts, at most this many replicas (0 = one per GPU)
+    # Sessions
+    session_ttl_s: float = 1200.0
+    max_sessions: int = 64
+    session_budget_mb: int = 0  # bytes of session state per worker (0 = no budget)
+    reaper_interval_s: float = 5.0
+    # Requests
+    max_body_bytes: int = 6 * 1024 * 1024
+    max_prompt_chars: int = 16_000
+    max_prompt_tokens: int = 2048
+    max_new_tokens: int = 1024
+    default_max_new_tokens: int = 256
+    max_context_tokens: int = 0  # 0 = the model's max_position_embeddings
+    # Images
+    image_allow_http: bool = False
+    image_allow_hosts: tuple[str, ...] = ()
+    image_max_bytes: int = 20 * 1024 * 1024
+    image_max_pixels: int = 40_000_000
+    image_timeout_s: float = 20.0
+    image_fetch_threads: int = 4
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(f"device {self.device!r}: use auto, cpu, cuda or cuda:N")
+        for name in (
+            "session_ttl_s",
+            "max_sessions",
+            "max_new_tokens",
+            "max_prompt_tokens",
+            "reaper_interval_s",
+            "image_fetch_threads",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 1 <= self.default_max_new_tokens <= self.max_new_tokens:
+            raise ValueError("default_max_new_tokens must be between 1 and max_new_tokens")
+
+    @property
+    def limits(self) -> Limits:
+        """Return the request limits the protocol layer enforces."""
+        return Limits(
+            max_body_bytes=self.max_body_bytes,
+            max_prompt_chars=self.max_prompt_chars,
+            max_new_tokens=self.max_new_tokens,
+            default_max_new_tokens=self.default_max_new_tokens,
+        )
+
+    @property
+    def session_budget_bytes(self) -> int | None:
+        return self.session_budget_mb * 1024 * 1024 if self.session_budget_mb else None
+
+    @classmethod
+    def from_mapping(
+        cls, section: Mapping[str, Any] | None, env: Mapping[str, str] | None = None
+    ) -> ServerConfig:
+        """Build from a yaml `handler:` section, then `LLAVA_*` environment overrides."""
+        section = dict(section or {})
+        known = {f.name: f for f in fields(cls)}
+        ignored = {"model_dir", "model_source"}  # archive-time keys, not worker settings
+        unknown = sorted(set(section) - set(known) - ignored)
+        if unknown:
+            raise ValueError(
+                f"unknown handler setting {unknown[0]!r} in model-config.yaml; "
+                f"known: {', '.join(sorted(known))}"
+            )
+        values = {k: v for k, v in section.items() if k in known}
+        for name, f in known.items():
+            raw = (env if env is not None else os.environ).get(ENV_PREFIX + name.upper())
+            if raw is not None:
+                values[name] = _parse_env(f, raw)
+        values = {k: _coerce(known[k], v) for k, v in values.items()}
+        return cls(**values)
+
+
+def _coerce(f: dataclasses.Field, value: Any) -> Any:
+    """Convert a yaml or env value to the field's declared type, or say what is wrong."""
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    try:
+        if kind.startswith("tuple"):
+            return tuple(value) if isinstance(value, (list, tuple)) else (str(value),)
+        if kind == "bool":
+            if isinstance(value, bool):
+                return value
+            raise ValueError
+        if kind == "int":
+            if isinstance(value, bool) or float(value) != int(value):
+                raise ValueError
+            return int(value)
+        if kind == "float":
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"handler setting {f.name}: expected {kind}, got {value!r}") from None
+
+
+def _parse_env(f: dataclasses.Field, raw: str) -> Any:
+    kind = f.type if isinstance(f.type, str) else str(f.type)
+    if kind == "bool":
+        lowered = raw.strip().lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{ENV_PREFIX}{f.name.upper()}={raw!r}: use true or false")
+    if kind.startswith("tuple"):
+        return tuple(part.strip() for part in raw.split(",") if part.strip())
+    return raw

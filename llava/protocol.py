@@ -1,0 +1,283 @@
+"""The wire protocol: header names, request types and their validation, response bodies.
+
+A request is a JSON object whose `type` picks one of three schemas; the session id travels in
+the SageMaker session header (a body `session_id` must agree with it). Parsing either returns a
+typed request or raises `InvalidRequest` naming the offending field.
+
+    >>> parse_request(b'{"type": "open_session", "image": "https://x/y.png"}', {})
+    OpenSession(image='https://x/y.png', system_prompt=None)
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from llava.errors import InvalidRequest, PayloadTooLarge
+
+# SageMaker's session headers (botocore's sagemaker-runtime model).
+SESSION_HEADER = "X-Amzn-SageMaker-Session-Id"
+NEW_SESSION_HEADER = "X-Amzn-SageMaker-New-Session-Id"
+CLOSED_SESSION_HEADER = "X-Amzn-SageMaker-Closed-Session-Id"
+NEW_SESSION = "NEW_SESSION"
+SESSION_ID_RE = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9])*$")
+SESSION_ID_MAX_LEN = 256
+
+# SageMaker caps request and response bodies at 6 MiB.
+MAX_BODY_BYTES = 6 * 1024 * 1024
+
+STREAM_CONTENT_TYPE = "application/x-ndjson"
+JSON_CONTENT_TYPE = "application/json"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds a request must stay within; the engine adds the token limit of prompts."""
+
+    max_body_bytes: int = MAX_BODY_BYTES
+    max_prompt_chars: int = 16_000
+    max_system_prompt_chars: int = 8_000
+    max_new_tokens: int = 1024
+    default_max_new_tokens: int = 256
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """Sampling settings of one answer; temperature 0 means greedy decoding."""
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class OpenSession:
+    """Fetch and process one image, keep its state for the session's questions."""
+
+    image: str = field(repr=False)
+    system_prompt: str | None = None
+
+
+@dataclass(frozen=True)
+class Query:
+    """Ask one question in a session; `history=False` branches from the image alone."""
+
+    session_id: str
+    prompt: str = field(repr=False)
+    params: GenerationParams = GenerationParams()
+    stream: bool = False
+    history: bool = True
+
+
+@dataclass(frozen=True)
+class CloseSession:
+    """Free the session's memory."""
+
+    session_id: str
+
+
+Request = OpenSession | Query | CloseSession
+
+
+def header(headers: Mapping[str, Any], name: str) -> str | None:
+    """Look a header up case-insensitively (HTTP names are not case-sensitive)."""
+    wanted = name.lower()
+    for key, value in headers.items():
+        if str(key).lower() == wanted:
+            return value.decode() if isinstance(value, (bytes, bytearray)) else str(value)
+    return None
+
+
+def parse_request(body: Any, headers: Mapping[str, Any], limits: Limits = Limits()) -> Request:
+    """Validate one request body and its session header into a typed request."""
+    obj = _decode_body(body, limits)
+    kind = obj.get("type")
+    if kind is None:
+        raise InvalidRequest(
+            'missing "type": use "open_session", "query" or "close_session"', field="type"
+        )
+    parser = _PARSERS.get(kind) if isinstance(kind, str) else None
+    if parser is None:
+        raise InvalidRequest(
+            f'unknown "type" {str(kind)[:40]!r}: use "open_session", "query" or "close_session"',
+            field="type",
+        )
+    return parser(obj, _session_id(obj, headers), limits)
+
+
+def _decode_body(body: Any, limits: Limits) -> dict[str, Any]:
+    if isinstance(body, dict):
+        return body
+    if body is not None and not isinstance(body, (str, bytes, bytearray)):
+        raise InvalidRequest("body must be a JSON object", field="body")  # TorchServe decoded it
+    if isinstance(body, str):
+        body = body.encode()
+    if not isinstance(body, (bytes, bytearray)) or not body:
+        raise InvalidRequest('empty body: send a JSON object with a "type"', field="body")
+    if len(body) > limits.max_body_bytes:
+        raise PayloadTooLarge(
+            f"body is {len(body)} bytes, the limit is {limits.max_body_bytes}: "
+            "send large images by https or s3:// URL instead of inline base64",
+            field="body",
+        )
+    try:
+        obj = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidRequest(f"body is not valid JSON: {exc}", field="body") from None
+    if not isinstance(obj, dict):
+        raise InvalidRequest("body must be a JSON object", field="body")
+    return obj
+
+
+def _session_id(obj: Mapping[str, Any], headers: Mapping[str, Any]) -> str | None:
+    """Return the session id the request names, or None for a new session."""
+    from_header = header(headers, SESSION_HEADER)
+    from_header = from_header.strip() if from_header is not None else None
+    if from_header in ("", NEW_SESSION):
+        from_header = None
+    from_body = obj.get("session_id")
+    if from_body is not None and not isinstance(from_body, str):
+        raise InvalidRequest('"session_id" must be a string', field="session_id")
+    if from_header is not None and from_body is not None and from_header != from_body:
+        raise InvalidRequest(
+            f'body "session_id" does not match the {SESSION_HEADER} header', field="session_id"
+        )
+    sid = from_header if from_header is not None else from_body
+    if sid is not None and not is_valid_session_id(sid):
+        raise InvalidRequest(
+            "malformed session id: letters, digits and single hyphens, at most 256 characters",
+            field="session_id",
+        )
+    return sid
+
+
+def is_valid_session_id(sid: str) -> bool:
+    """Tell whether `sid` matches SageMaker's session id pattern."""
+    return len(sid) <= SESSION_ID_MAX_LEN and SESSION_ID_RE.match(sid) is not None
+
+
+def _check_fields(obj: Mapping[str, Any], allowed: set[str]) -> None:
+    unknown = sorted(set(obj) - allowed - {"type", "session_id"})
+    if unknown:
+        raise InvalidRequest(
+            f"unknown field {unknown[0]!r}; allowed: {', '.join(sorted(allowed))}",
+            field=unknown[0],
+        )
+
+
+def _text(obj: Mapping[str, Any], name: str, max_chars: int, *, required: bool) -> str | None:
+    value = obj.get(name)
+    if value is None:
+        if required:
+            raise InvalidRequest(f'missing "{name}"', field=name)
+        return None
+    if not isinstance(value, str):
+        raise InvalidRequest(f'"{name}" must be a string', field=name)
+    if required and not value.strip():
+        raise InvalidRequest(f'"{name}" is empty', field=name)
+    if len(value) > max_chars:
+        raise InvalidRequest(f'"{name}" is longer than {max_chars} characters', field=name)
+    return value
+
+
+def _number(
+    obj: Mapping[str, Any], name: str, default: float, lo: float, hi: float, *, integer: bool
+) -> Any:
+    value = obj.get(name, default)
+    kind = "an integer" if integer else "a number"
+    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+        raise InvalidRequest(f'"{name}" must be {kind}', field=name)
+    if not lo <= value <= hi or value != value:
+        raise InvalidRequest(f'"{name}" must be between {lo} and {hi}', field=name)
+    return value
+
+
+def _flag(obj: Mapping[str, Any], name: str, default: bool) -> bool:
+    value = obj.get(name, default)
+    if not isinstance(value, bool):
+        raise InvalidRequest(f'"{name}" must be true or false', field=name)
+    return value
+
+
+def _parse_open(obj: Mapping[str, Any], sid: str | None, limits: Limits) -> OpenSession:
+    _check_fields(obj, {"image", "system_prompt"})
+    if sid is not None:
+        raise InvalidRequest(
+            f'"open_session" starts a new session: send {SESSION_HEADER}: {NEW_SESSION} or none',
+            field="session_id",
+        )
+    image = _text(obj, "image", limits.max_body_bytes, required=True)
+    system_prompt = _text(obj, "system_prompt", limits.max_system_prompt_chars, required=False)
+    return OpenSession(image=image, system_prompt=system_prompt)
+
+
+def _require_session(sid: str | None, kind: str) -> str:
+    if sid is None:
+        raise InvalidRequest(
+            f'"{kind}" needs the {SESSION_HEADER} header returned by "open_session"',
+            field="session_id",
+        )
+    return sid
+
+
+def _parse_query(obj: Mapping[str, Any], sid: str | None, limits: Limits) -> Query:
+    _check_fields(
+        obj, {"prompt", "max_new_tokens", "temperature", "top_p", "seed", "stream", "history"}
+    )
+    sid = _require_session(sid, "query")
+    prompt = _text(obj, "prompt", limits.max_prompt_chars, required=True)
+    seed = obj.get("seed")
+    if seed is not None:
+        seed = _number(obj, "seed", 0, 0, 2**63 - 1, integer=True)
+    params = GenerationParams(
+        max_new_tokens=_number(
+            obj,
+            "max_new_tokens",
+            limits.default_max_new_tokens,
+            1,
+            limits.max_new_tokens,
+            integer=True,
+        ),
+        temperature=float(_number(obj, "temperature", 0.0, 0.0, 2.0, integer=False)),
+        top_p=float(_number(obj, "top_p", 1.0, 1e-6, 1.0, integer=False)),
+        seed=seed,
+    )
+    return Query(
+        session_id=sid,
+        prompt=prompt,
+        params=params,
+        stream=_flag(obj, "stream", False),
+        history=_flag(obj, "history", True),
+    )
+
+
+def _parse_close(obj: Mapping[str, Any], sid: str | None, limits: Limits) -> CloseSession:
+    _check_fields(obj, set())
+    return CloseSession(session_id=_require_session(sid, "close_session"))
+
+
+_PARSERS = {"open_session": _parse_open, "query": _parse_query, "close_session": _parse_close}
+
+
+def expires_header(session_id: str, expires_at: float) -> str:
+    """Format the `<id>; Expires=<UTC ISO-8601 Z>` value of the new-session header."""
+    return f"{session_id}; Expires={iso_utc(expires_at)}"
+
+
+def iso_utc(ts: float) -> str:
+    """Format a POSIX time as `YYYY-MM-DDTHH:MM:SSZ`."""
+    return datetime.fromtimestamp(ts, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def stream_line(obj: Mapping[str, Any]) -> bytes:
+    """Encode one newline-delimited JSON line of a streamed answer."""
+    return (json.dumps(obj, separators=(",", ":"), ensure_ascii=False) + "\n").encode()

@@ -1,0 +1,317 @@
+"""The session service: advance every in-flight request by one step per call.
+
+TorchServe's continuous batching calls the handler once per generation step with every active
+request; this module is what the handler delegates to, with no TorchServe types in sight. Each
+call to `step()` admits new requests, finishes opens whose images have arrived, advances every
+answer by one token in one engine step, and returns, per request, either a `Reply` or `None`
+("nothing to send yet": the request stays in the batch and comes back next step). A request
+that disappears from the batch has lost its client: its work is rolled back.
+
+Nothing a request does can fail another: every error is caught per request and becomes that
+request's own 4xx/5xx reply (or, once a stream has started, an in-band error line).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from llava.errors import KitError
+from llava.protocol import (
+    CLOSED_SESSION_HEADER,
+    JSON_CONTENT_TYPE,
+    NEW_SESSION_HEADER,
+    SESSION_HEADER,
+    STREAM_CONTENT_TYPE,
+    CloseSession,
+    GenerationParams,
+    Limits,
+    OpenSession,
+    Query,
+    expires_header,
+    iso_utc,
+    parse_request,
+    stream_line,
+)
+from llava.sessions import Session, SessionStore, Slot
+
+log = logging.getLogger(__name__)
+
+# How long a step with nothing else to do waits for an image download, so a batch of pending
+# opens does not spin the frontend in a tight loop.
+IDLE_WAIT_S = 0.02
+
+
+class Engine(Protocol):
+    """What the service needs from the model engine (see `llava.engine.LlavaEngine`)."""
+
+    def open_session(self, image: Any, system_prompt: str | None = None) -> Any: ...
+    def start_turn(
+        self, state: Any, prompt: str, params: GenerationParams, *, history: bool = True
+    ) -> Any: ...
+    def step(self, turns: list[Any]) -> dict[int, BaseException]: ...
+    def finish_turn(self, turn: Any) -> None: ...
+    def abort_turn(self, turn: Any) -> None: ...
+
+
+class ImageSource(Protocol):
+    def load(self, ref: str) -> Any: ...
+
+
+@dataclass(frozen=True)
+class Incoming:
+    """One request as seen in one step: its id, its body (first step only) and its headers."""
+
+    request_id: str
+    body: Any
+    headers: Mapping[str, Any]
+
+
+@dataclass
+class Reply:
+    """What to send for one request this step.
+
+    `last` is None for a whole (non-streamed) response, False for a stream chunk with more to
+    come, True for a stream's final chunk. Status and headers count only on the first reply.
+    """
+
+    body: bytes
+    status: int = 200
+    headers: dict[str, str] = field(default_factory=dict)
+    content_type: str = JSON_CONTENT_TYPE
+    last: bool | None = None
+
+
+@dataclass(eq=False)
+class _Opening:
+    slot: Slot
+    request: OpenSession
+    image: Future
+
+
+@dataclass(eq=False)
+class _Answering:
+    session: Session
+    query: Query
+    turn: Any
+    streaming: bool = False  # the HTTP head has gone out
+
+
+def error_reply(error: KitError) -> Reply:
+    """Render a kit error as a whole JSON response with its status."""
+    headers = {}
+    retry = getattr(error, "retry_after_s", None)
+    if retry is not None:
+        headers["Retry-After"] = str(retry)
+    return Reply(_json(error.to_body()), status=error.status, headers=headers)
+
+
+def internal_error(exc: BaseException) -> KitError:
+    """Log an unexpected exception and return the error the client may see (no traceback)."""
+    log.error("internal error: %s", exc, exc_info=exc)
+    return KitError("internal error while serving this request; see the worker log")
+
+
+class SessionService:
+    """Serve open / query / close requests over an engine, a session store and an image source."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        store: SessionStore,
+        images: ImageSource,
+        *,
+        limits: Limits = Limits(),
+        fetch_threads: int = 4,
+    ) -> None:
+        self.engine = engine
+        self.store = store
+        self.images = images
+        self.limits = limits
+        self._fetcher = ThreadPoolExecutor(fetch_threads, thread_name_prefix="llava-image")
+        self._work: dict[str, _Opening | _Answering] = {}
+
+    def close(self) -> None:
+        """Stop the image fetch threads."""
+        self._fetcher.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._work)
+
+    def step(self, batch: list[Incoming]) -> list[Reply | None]:
+        """Advance every request of the batch by one step; never raises."""
+        present = {item.request_id for item in batch}
+        for request_id in [r for r in self._work if r not in present]:
+            self._abandon(request_id)
+        replies: dict[str, Reply] = {}
+        for item in batch:
+            if item.request_id not in self._work:
+                reply = self._guard(self._admit, item)
+                if reply is not None:
+                    replies[item.request_id] = reply
+        self._wait_if_idle(replies)
+        for request_id, work in list(self._work.items()):
+            if isinstance(work, _Opening) and work.image.done():
+                replies[request_id] = self._finish_open(request_id, work)
+        replies.update(self._advance_answers())
+        return [replies.get(item.request_id) for item in batch]
+
+    # -- admission -------------------------------------------------------------------------
+    def _guard(self, fn: Any, item: Incoming) -> Reply | None:
+        try:
+            return fn(item)
+        except KitError as exc:
+            return error_reply(exc)
+        except Exception as exc:
+            return error_reply(internal_error(exc))
+
+    def _admit(self, item: Incoming) -> Reply | None:
+        request = parse_request(item.body, item.headers, self.limits)
+        if isinstance(request, OpenSession):
+            slot = self.store.reserve()
+            try:
+                image = self._fetch(request.image)
+            except BaseException:
+                self.store.cancel(slot)
+                raise
+            self._work[item.request_id] = _Opening(slot, request, image)
+            return None
+        if isinstance(request, Query):
+            session = self.store.begin_turn(request.session_id)
+            try:
+                turn = self.engine.start_turn(
+                    session.state, request.prompt, request.params, history=request.history
+                )
+            except BaseException:
+                self.store.end_turn(session)
+                raise
+            self._work[item.request_id] = _Answering(session, request, turn)
+            return None
+        assert isinstance(request, CloseSession)
+        session = self.store.close(request.session_id)
+        return Reply(
+            _json({"session_id": session.id, "closed": True}),
+            headers={CLOSED_SESSION_HEADER: session.id},
+        )
+
+    def _fetch(self, ref: str) -> Future:
+        """Load remote images in the background; decode inline ones now (their body is here)."""
+        if ref.startswith(("https://", "http://", "s3://")):
+            return self._fetcher.submit(self.images.load, ref)
+        done: Future = Future()
+        done.set_result(self.images.load(ref))
+        return done
+
+    def _wait_if_idle(self, replies: dict[str, Reply]) -> None:
+        if replies or any(isinstance(w, _Answering) for w in self._work.values()):
+            return
+        pending = [w.image for w in self._work.values() if isinstance(w, _Opening)]
+        if pending:
+            wait(pending, timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
+
+    # -- opening ---------------------------------------------------------------------------
+    def _finish_open(self, request_id: str, work: _Opening) -> Reply:
+        del self._work[request_id]
+        try:
+            state = self.engine.open_session(work.image.result(), work.request.system_prompt)
+            session = self.store.add(work.slot, state, state.nbytes)
+        except BaseException as exc:
+            self.store.cancel(work.slot)
+            return error_reply(exc if isinstance(exc, KitError) else internal_error(exc))
+        expires = self.store.expires_at(session)
+        value = expires_header(session.id, expires)
+        return Reply(
+            _json({"session_id": session.id, "expires_at": iso_utc(expires)}),
+            headers={NEW_SESSION_HEADER: value, SESSION_HEADER: value},
+        )
+
+    # -- answering -------------------------------------------------------------------------
+    def _advance_answers(self) -> dict[str, Reply]:
+        running = [(r, w) for r, w in self._work.items() if isinstance(w, _Answering)]
+        if not running:
+            return {}
+        try:
+            errors = self.engine.step([w.turn for _, w in running])
+        except Exception as exc:  # the engine could not even isolate the failure
+            errors = dict.fromkeys(range(len(running)), exc)
+        replies: dict[str, Reply] = {}
+        for i, (request_id, work) in enumerate(running):
+            if i in errors:
+                reply = self._fail_answer(request_id, work, errors[i])
+            elif work.turn.done:
+                reply = self._finish_answer(request_id, work)
+            else:
+                reply = self._chunk(work)
+            if reply is not None:
+                replies[request_id] = reply
+        return replies
+
+    def _chunk(self, work: _Answering) -> Reply | None:
+        if not work.query.stream or not work.turn.delta:
+            return None  # nothing new to send: stay in the batch silently
+        return self._stream_reply(work, stream_line({"text": work.turn.delta}), last=False)
+
+    def _stream_reply(self, work: _Answering, body: bytes, *, last: bool) -> Reply:
+        first = not work.streaming
+        work.streaming = True
+        if first and last:  # a stream that is over at its first step is just a whole response
+            return Reply(body, content_type=STREAM_CONTENT_TYPE, last=None)
+        return Reply(body, content_type=STREAM_CONTENT_TYPE, last=last)
+
+    def _finish_answer(self, request_id: str, work: _Answering) -> Reply:
+        del self._work[request_id]
+        turn = work.turn
+        try:
+            self.engine.finish_turn(turn)
+        finally:
+            self.store.end_turn(work.session, self._nbytes(work.session))
+        usage = turn.usage()
+        if work.query.stream:
+            body = b""
+            if turn.delta:
+                body += stream_line({"text": turn.delta})
+            body += stream_line({"usage": usage, "finish_reason": turn.finish_reason})
+            return self._stream_reply(work, body, last=True)
+        return Reply(_json({"session_id": work.session.id, "text": turn.text, "usage": usage}))
+
+    def _fail_answer(self, request_id: str, work: _Answering, exc: BaseException) -> Reply:
+        self._drop_answer(request_id, work)
+        error = exc if isinstance(exc, KitError) else internal_error(exc)
+        if work.streaming:  # the head is gone: report in-band and end the stream
+            return Reply(stream_line(error.to_body()), content_type=STREAM_CONTENT_TYPE, last=True)
+        return error_reply(error)
+
+    def _drop_answer(self, request_id: str, work: _Answering) -> None:
+        del self._work[request_id]
+        try:
+            self.engine.abort_turn(work.turn)
+        finally:
+            self.store.end_turn(work.session, self._nbytes(work.session))
+
+    def _abandon(self, request_id: str) -> None:
+        """Roll back a request whose client went away."""
+        work = self._work.get(request_id)
+        log.info("request %s left the batch (client gone); dropping its work", request_id)
+        try:
+            if isinstance(work, _Answering):
+                self._drop_answer(request_id, work)
+            elif isinstance(work, _Opening):
+                del self._work[request_id]
+                work.image.cancel()
+                self.store.cancel(work.slot)
+        except Exception as exc:
+            internal_error(exc)
+
+    @staticmethod
+    def _nbytes(session: Session) -> int:
+        state = session.state
+        return int(getattr(state, "nbytes", 0)) if state is not None else 0
+
+
+def _json(obj: Any) -> bytes:
+    return json.dumps(obj, ensure_ascii=False).encode()

@@ -1,0 +1,287 @@
+"""The session store: ids, idle TTL, a session cap, a memory budget with LRU eviction.
+
+The store knows nothing about tensors: each session carries an opaque engine `state` and the
+byte count the engine reports for it; `release(session, reason)` is the engine's hook to free
+that state. A background reaper frees idle sessions on time, without waiting for traffic.
+
+    store = SessionStore(ttl_s=1200, max_sessions=64, budget_bytes=8 << 30, release=engine.release)
+    slot = store.reserve()                  # 429 when full, before any work is done
+    session = store.add(slot, state, nbytes)
+    with store.turn(session.id) as s: ...   # marks it busy; a busy session is never evicted
+    store.close(session.id)
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from llava.errors import (
+    CapacityExceeded,
+    SessionBusy,
+    SessionClosed,
+    SessionExpired,
+    SessionLost,
+    SessionNotFound,
+)
+
+log = logging.getLogger(__name__)
+
+# Reasons a session ended, and the error a later request for it gets.
+CLOSED, EXPIRED, EVICTED, LOST = "closed", "expired", "evicted", "lost"
+_ENDED_ERRORS = {
+    CLOSED: (SessionClosed, "session {} was closed; open a new one"),
+    EXPIRED: (SessionExpired, "session {} expired after {} s idle; open a new one"),
+    EVICTED: (SessionExpired, "session {} was evicted to make room for others; open a new one"),
+    LOST: (SessionLost, "session {} was lost when its worker restarted; open a new one"),
+}
+_TOMBSTONES = 65_536  # remembered ended ids, so a late request gets a precise error
+
+
+def new_session_id() -> str:
+    """Make an unguessable id (160 random bits) that fits SageMaker's session id pattern."""
+    return secrets.token_hex(20)
+
+
+@dataclass(eq=False)
+class Session:
+    """One open session: the engine's state plus the store's bookkeeping."""
+
+    id: str
+    state: Any
+    nbytes: int
+    last_used: float
+    busy: bool = False
+    closing: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A reserved place for a session being opened (its image may still be loading)."""
+
+    id: str
+
+
+class SessionStore:
+    """Hold sessions by id with an idle TTL, a count cap and a byte budget (LRU eviction)."""
+
+    def __init__(
+        self,
+        *,
+        ttl_s: float = 1200.0,
+        max_sessions: int = 64,
+        budget_bytes: int | None = None,
+        release: Callable[[Session, str], None] = lambda session, reason: None,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        if ttl_s <= 0 or max_sessions <= 0:
+            raise ValueError("ttl_s and max_sessions must be positive")
+        self.ttl_s = ttl_s
+        self.max_sessions = max_sessions
+        self.budget_bytes = budget_bytes
+        self._release = release
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self._lock = threading.RLock()
+        self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
+        self._slots: set[str] = set()
+        self._ended: OrderedDict[str, str] = OrderedDict()
+        self._reaper: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    # -- opening ---------------------------------------------------------------------------
+    def reserve(self) -> Slot:
+        """Reserve room for a new session or raise `CapacityExceeded` (429)."""
+        with self._lock:
+            self.reap()
+            if len(self._sessions) + len(self._slots) >= self.max_sessions:
+                raise CapacityExceeded(
+                    f"all {self.max_sessions} session slots are in use; retry later or close "
+                    "sessions you no longer need",
+                    retry_after_s=max(1, int(min(self.ttl_s, 30))),
+                )
+            slot = Slot(new_session_id())
+            self._slots.add(slot.id)
+            return slot
+
+    def cancel(self, slot: Slot) -> None:
+        """Give a reserved slot back (the open failed)."""
+        with self._lock:
+            self._slots.discard(slot.id)
+
+    def add(self, slot: Slot, state: Any, nbytes: int, **info: Any) -> Session:
+        """Turn a reserved slot into an open session."""
+        with self._lock:
+            if slot.id not in self._slots:
+                raise SessionNotFound(f"slot {slot.id} was not reserved")
+            self._slots.discard(slot.id)
+            session = Session(slot.id, state, nbytes, self._clock(), info=dict(info))
+            self._sessions[slot.id] = session
+            self._enforce_budget(keep=session.id)
+            return session
+
+    # -- using -----------------------------------------------------------------------------
+    def get(self, sid: str) -> Session:
+        """Return the open session `sid` (refreshing its TTL) or raise the precise error."""
+        with self._lock:
+            session = self._sessions.get(sid)
+            if session is None or session.closing:
+                raise self._missing(sid)
+            if self._idle_for(session) > self.ttl_s and not session.busy:
+                self._end(session, EXPIRED)
+                raise self._missing(sid)
+            session.last_used = self._clock()
+            self._sessions.move_to_end(sid)
+            return session
+
+    def begin_turn(self, sid: str) -> Session:
+        """Mark a session busy for one answer; a second concurrent answer gets 409."""
+        with self._lock:
+            session = self.get(sid)
+            if session.busy:
+                raise SessionBusy(
+                    f"session {sid} is already answering a question; wait for that answer"
+                )
+            session.busy = True
+            return session
+
+    def end_turn(self, session: Session, nbytes: int | None = None) -> None:
+        """Mark the answer finished, update the session's bytes and enforce the budget."""
+        with self._lock:
+            session.busy = False
+            session.last_used = self._clock()
+            if nbytes is not None:
+                session.nbytes = nbytes
+            if session.closing:
+                self._free(session, CLOSED)
+            else:
+                self._enforce_budget(keep=session.id)
+
+    @contextmanager
+    def turn(self, sid: str) -> Iterator[Session]:
+        """Hold a session busy for the duration of a `with` block."""
+        session = self.begin_turn(sid)
+        try:
+            yield session
+        finally:
+            self.end_turn(session)
+
+    def close(self, sid: str) -> Session:
+        """Close a session; a busy one is freed as soon as its answer ends."""
+        with self._lock:
+            session = self.get(sid)
+            self._end(session, CLOSED)
+            return session
+
+    def expires_at(self, session: Session) -> float:
+        """Return the wall-clock time at which the session expires if left idle."""
+        remaining = self.ttl_s - self._idle_for(session)
+        return self._wall_clock() + max(0.0, remaining)
+
+    # -- housekeeping ----------------------------------------------------------------------
+    def reap(self) -> list[str]:
+        """Free every idle session past its TTL; return their ids."""
+        with self._lock:
+            expired = [
+                s for s in self._sessions.values() if not s.busy and self._idle_for(s) > self.ttl_s
+            ]
+            for session in expired:
+                self._end(session, EXPIRED)
+            return [s.id for s in expired]
+
+    def start_reaper(self, interval_s: float = 5.0) -> None:
+        """Reap expired sessions every `interval_s` seconds in a daemon thread."""
+        if self._reaper is not None:
+            return
+        self._stop.clear()
+
+        def run() -> None:
+            while not self._stop.wait(interval_s):
+                try:
+                    self.reap()
+                except Exception:  # keep reaping: one failed release must not stop the thread
+                    log.exception("session reaper failed")
+
+        self._reaper = threading.Thread(target=run, name="llava-session-reaper", daemon=True)
+        self._reaper.start()
+
+    def stop_reaper(self) -> None:
+        """Stop the reaper thread."""
+        self._stop.set()
+        if self._reaper is not None:
+            self._reaper.join(timeout=5)
+            self._reaper = None
+
+    def stats(self) -> dict[str, int]:
+        """Count open sessions, reserved slots and held bytes."""
+        with self._lock:
+            return {
+                "sessions": len(self._sessions),
+                "opening": len(self._slots),
+                "bytes": sum(s.nbytes for s in self._sessions.values()),
+            }
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._sessions)
+
+    def __contains__(self, sid: object) -> bool:
+        with self._lock:
+            return sid in self._sessions
+
+    # -- internals -------------------------------------------------------------------------
+    def _idle_for(self, session: Session) -> float:
+        return self._clock() - session.last_used
+
+    def _missing(self, sid: str) -> Exception:
+        reason = self._ended.get(sid)
+        if reason is None:
+            return SessionNotFound(f'no session {sid}; open one with "open_session"')
+        cls, template = _ENDED_ERRORS[reason]
+        return cls(template.format(sid, int(self.ttl_s)))
+
+    def _end(self, session: Session, reason: str) -> None:
+        """Remove a session from use; free it now, or when its running answer ends."""
+        self._remember(session.id, reason)
+        if session.busy:
+            session.closing = True
+        else:
+            self._free(session, reason)
+
+    def _free(self, session: Session, reason: str) -> None:
+        self._sessions.pop(session.id, None)
+        try:
+            self._release(session, reason)
+        except Exception:  # the session is gone either way; never leak the slot
+            log.exception("releasing session %s failed", session.id)
+        session.state, session.nbytes = None, 0
+
+    def _remember(self, sid: str, reason: str) -> None:
+        self._ended[sid] = reason
+        self._ended.move_to_end(sid)
+        while len(self._ended) > _TOMBSTONES:
+            self._ended.popitem(last=False)
+
+    def _enforce_budget(self, keep: str) -> None:
+        if self.budget_bytes is None:
+            return
+        total = sum(s.nbytes for s in self._sessions.values())
+        for session in list(self._sessions.values()):
+            if total <= self.budget_bytes:
+                return
+            if session.busy or session.id == keep or session.closing:
+                continue
+            total -= session.nbytes
+            log.info(
+                "evicting session %s (%d bytes) over the memory budget", session.id, session.nbytes
+            )
+            self._end(session, EVICTED)

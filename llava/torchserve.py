@@ -1,0 +1,112 @@
+"""The TorchServe adapter: turn a continuous-batching call into a service step and back.
+
+TorchServe 0.12's continuous batching (without sequence batching) calls `handle()` once per
+step with every active request. The rules this adapter follows (see TORCHSERVE-FINDINGS):
+- a request's body arrives only on its first step; state is keyed by `context.request_ids`;
+- removing a request's index from `context.request_ids` sends nothing for it this step: the
+  frontend keeps the job and re-sends it next step (how a whole answer waits for its last token);
+- `context.stopping_criteria` holds one function per position that cannot raise: None = whole
+  response, False = more chunks to come, True = last chunk;
+- `handle()` never raises, because an exception would fail every request in the batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from http import HTTPStatus
+from pathlib import Path
+from typing import Any
+
+from llava.config import ServerConfig
+from llava.service import Incoming, Reply, SessionService, error_reply, internal_error
+
+log = logging.getLogger(__name__)
+
+
+def _constant(value: bool | None) -> Any:
+    return lambda _output: value
+
+
+_WHOLE, _MORE, _LAST = _constant(None), _constant(False), _constant(True)
+
+
+def _phrase(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "Client Closed Request" if status == 499 else "Error"
+
+
+class SessionHandler:
+    """Load the engine once per worker, then serve every step of every request."""
+
+    def __init__(self) -> None:
+        self.service: SessionService | None = None
+        self.config: ServerConfig | None = None
+
+    def initialize(self, context: Any) -> None:
+        """Build config, engine, session store and image loader from the model archive."""
+        from llava.engine import LlavaEngine  # torch is imported here, never at module import
+        from llava.images import ImageLoader, ImagePolicy
+        from llava.sessions import SessionStore
+
+        model_dir = Path(context.system_properties.get("model_dir"))
+        section = (getattr(context, "model_yaml_config", None) or {}).get("handler")
+        self.config = config = ServerConfig.from_mapping(section, os.environ)
+        engine = LlavaEngine.load(model_dir, config)
+        store = SessionStore(
+            ttl_s=config.session_ttl_s,
+            max_sessions=config.max_sessions,
+            budget_bytes=config.session_budget_bytes,
+            release=lambda session, reason: engine.release(session.state),
+        )
+        store.start_reaper(config.reaper_interval_s)
+        images = ImageLoader(
+            ImagePolicy(
+                allow_http=config.image_allow_http,
+                allow_hosts=config.image_allow_hosts,
+                total_timeout_s=config.image_timeout_s,
+                max_bytes=config.image_max_bytes,
+                max_pixels=config.image_max_pixels,
+            )
+        )
+        self.service = SessionService(
+            engine, store, images, limits=config.limits, fetch_threads=config.image_fetch_threads
+        )
+        log.info("llava handler ready: %s", config)
+
+    def handle(self, data: list[dict[str, Any]], context: Any) -> list[Any]:
+        """Advance every request in the batch by one step; one output per request."""
+        try:
+            batch = [
+                Incoming(
+                    request_id=context.request_ids[i],
+                    body=row.get("body", row.get("data")) if isinstance(row, dict) else row,
+                    headers=context.get_all_request_header(i) or {},
+                )
+                for i, row in enumerate(data)
+            ]
+            replies = self.service.step(batch)
+        except Exception as exc:  # a bug above the per-request guards: still answer each one
+            replies = [error_reply(internal_error(exc))] * len(data)
+        return self._emit(replies, context)
+
+    @staticmethod
+    def _emit(replies: list[Reply | None], context: Any) -> list[Any]:
+        outputs: list[Any] = []
+        criteria = []
+        for i, reply in enumerate(replies):
+            if reply is None:
+                context.request_ids.pop(i, None)  # withhold: the frontend re-sends it next step
+                outputs.append(b"")
+                criteria.append(_WHOLE)
+                continue
+            context.set_response_status(reply.status, _phrase(reply.status), i)
+            context.set_response_content_type(i, reply.content_type)
+            for key, value in reply.headers.items():
+                context.set_response_header(i, key, value)
+            outputs.append(reply.body)
+            criteria.append({None: _WHOLE, False: _MORE, True: _LAST}[reply.last])
+        context.stopping_criteria = criteria
+        return outputs
