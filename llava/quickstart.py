@@ -1,0 +1,41 @@
+"""Print copy-paste commands that open a session on the sample image, ask, and close."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+SAMPLE = Path(__file__).resolve().parent.parent / "examples" / "sample.png"
+
+TEMPLATE = """
+LLaVA sessions on http://{host}:{port} (model '{name}'). In another terminal:
+
+  URL=http://{host}:{port}/predictions/{name}
+  SID=$(curl -s $URL -H 'Content-Type: application/json' \\
+      -d "{{\\"type\\":\\"open_session\\",\\"image\\":\\"data:image/png;base64,$(base64 -w0 {sample})\\"}}" \\
+      | python3 -c 'import json,sys; print(json.load(sys.stdin)["session_id"])'); echo $SID
+  curl -s $URL -H 'Content-Type: application/json' -H "X-Amzn-SageMaker-Session-Id: $SID" \\
+      -d '{{"type":"query","prompt":"What is in the picture?","max_new_tokens":32}}'; echo
+  curl -sN $URL -H 'Content-Type: application/json' -H "X-Amzn-SageMaker-Session-Id: $SID" \\
+      -d '{{"type":"query","prompt":"And the colors?","max_new_tokens":32,"stream":true}}'
+  curl -si $URL -H 'Content-Type: application/json' -H "X-Amzn-SageMaker-Session-Id: $SID" \\
+      -d '{{"type":"close_session"}}'
+
+The default model has random weights: its answers are noise. Serve real weights with
+  make serve MODEL=llava-hf/llava-1.5-7b-hf
+Stop the server with Ctrl-C (or `make stop`).
+"""
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Print the quickstart commands."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--name", default="llava")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8080)
+    args = parser.parse_args(argv)
+    print(TEMPLATE.format(host=args.host, port=args.port, name=args.name, sample=SAMPLE))
+
+
+if __name__ == "__main__":
+    main()
