@@ -275,16 +275,17 @@ class LlavaEngine:
         if token in self.eos_ids:
             turn.delta = ""
             self._finish(turn, "stop")
-        else:
-            turn.generated.append(token)
-            turn.delta = turn.detokenizer.add(token)
-            turn.pending = [token]
-            if len(turn.generated) >= turn.max_new_tokens:
-                self._finish(turn, "length")
+            return
+        turn.generated.append(token)
+        turn.delta = turn.detokenizer.add(token)
+        turn.pending = [token]
         turn.text += turn.delta
+        if len(turn.generated) >= turn.max_new_tokens:
+            self._finish(turn, "length")
 
     def _finish(self, turn: Turn, reason: str) -> None:
         turn.delta += turn.detokenizer.flush()
+        turn.text = turn.detokenizer.text  # the one-shot decode of the whole answer
         turn.done, turn.finish_reason = True, reason
         turn.finished_at = time.perf_counter()
 

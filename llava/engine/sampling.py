@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 from typing import Any
 
 import torch
@@ -35,17 +37,24 @@ def next_token(
 
 
 class Detokenizer:
-    """Decode generated ids incrementally, never emitting half a multi-byte character."""
+    """Decode generated ids incrementally so the deltas add up to a one-shot decode.
+
+    Each call decodes the whole answer so far (cheap next to a forward pass). Text is held back
+    while it could still change: after a byte-fallback token (`<0xE2>`: a run of them decodes
+    as one UTF-8 sequence, or as U+FFFD per byte if invalid) and while it ends in U+FFFD.
+    """
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
         self._ids: list[int] = []
-        self._prefix = 0  # start of the window re-decoded for context
-        self._read = 0  # ids already turned into text
+        self._byte_ids: dict[int, bool] = {}
+        self.text = ""  # the text emitted so far; the whole answer once flushed
 
     def add(self, token_id: int) -> str:
         """Append one id; return the text it completes (possibly empty)."""
         self._ids.append(token_id)
+        if self._is_byte(token_id):
+            return ""
         return self._advance(final=False)
 
     def flush(self) -> str:
@@ -53,12 +62,19 @@ class Detokenizer:
         return self._advance(final=True)
 
     def _advance(self, *, final: bool) -> str:
-        before = self._decode(self._ids[self._prefix : self._read])
-        after = self._decode(self._ids[self._prefix :])
-        if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
+        text = self._tokenizer.decode(self._ids, skip_special_tokens=True)
+        if not final and (text.endswith("\ufffd") or not text.startswith(self.text)):
             return ""
-        self._prefix, self._read = self._read, len(self._ids)
-        return after[len(before) :]
+        same = len(os.path.commonprefix([text, self.text]))
+        delta, self.text = text[same:], text
+        return delta
 
-    def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True)
+    def _is_byte(self, token_id: int) -> bool:
+        known = self._byte_ids.get(token_id)
+        if known is None:
+            piece = self._tokenizer.convert_ids_to_tokens(token_id)
+            known = self._byte_ids[token_id] = bool(_BYTE_TOKEN.match(str(piece)))
+        return known
+
+
+_BYTE_TOKEN = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")

@@ -1,0 +1,147 @@
+"""Start and stop a real TorchServe on loopback with its own ports, logs and temp directory.
+
+Used by the tests, the benchmark and the local SageMaker runtime; `make serve` runs TorchServe
+in the foreground instead.
+
+    with TorchServe(model_store="model-store", model="llava") as ts:
+        httpx.post(ts.url("/predictions/llava"), json={...})
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class TorchServe:
+    """One TorchServe process serving one model from a model store, bound to 127.0.0.1."""
+
+    def __init__(
+        self,
+        model_store: str | Path,
+        model: str = "llava",
+        *,
+        workdir: str | Path | None = None,
+        env: dict[str, str] | None = None,
+        port: int | None = None,
+    ) -> None:
+        self.model_store = Path(model_store).resolve()
+        self.model = model
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="torchserve-"))
+        self.extra_env = env or {}
+        self.port = port or free_port()
+        self.management_port = free_port()
+        self.metrics_port = free_port()
+        self.log_dir = self.workdir / "logs"
+        self._bin = Path(sys.executable).parent
+
+    def url(self, path: str = "") -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            PATH=f"{self._bin}{os.pathsep}{env.get('PATH', '')}",
+            LOG_LOCATION=str(self.log_dir),
+            METRICS_LOCATION=str(self.log_dir),
+            TMPDIR=str(self.workdir),  # the pid file lives here: start and stop must agree
+            TS_CONFIG_FILE=str(self._write_config()),
+        )
+        env.update(self.extra_env)
+        return env
+
+    def _write_config(self) -> Path:
+        text = (ROOT / "config.properties").read_text()
+        text = text.replace("127.0.0.1:8080", f"127.0.0.1:{self.port}")
+        text = text.replace("127.0.0.1:8081", f"127.0.0.1:{self.management_port}")
+        text = text.replace("127.0.0.1:8082", f"127.0.0.1:{self.metrics_port}")
+        text = text.replace("model_store=model-store", f"model_store={self.model_store}")
+        text = text.replace("load_models=llava=llava", f"load_models={self.model}={self.model}")
+        path = self.workdir / "config.properties"
+        path.write_text(text)
+        return path
+
+    def start(self, timeout_s: float = 180.0) -> TorchServe:
+        """Start TorchServe and wait until its model's worker answers /ping."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        torchserve = shutil.which("torchserve", path=str(self._bin)) or "torchserve"
+        with open(self.workdir / "torchserve.out", "ab") as out:
+            subprocess.run(
+                [
+                    torchserve,
+                    "--start",
+                    "--ncs",
+                    "--disable-token-auth",
+                    "--model-store",
+                    str(self.model_store),
+                ],
+                cwd=self.workdir,
+                env=self._env(),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                check=True,
+            )
+        self.wait_ready(timeout_s)
+        return self
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Poll /ping until Healthy (every model has its workers up) or fail with the logs' tail."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url("/ping"), timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(
+            f"TorchServe on port {self.port} not healthy after {timeout_s} s; last log lines:\n"
+            + self.log_tail()
+        )
+
+    def stop(self) -> None:
+        """Stop TorchServe (same TMPDIR as start, so it finds its pid file)."""
+        torchserve = shutil.which("torchserve", path=str(self._bin)) or "torchserve"
+        subprocess.run(
+            [torchserve, "--stop"],
+            cwd=self.workdir,
+            env=self._env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            check=False,
+        )
+
+    def logs(self) -> str:
+        """Return the frontend and worker logs."""
+        parts = []
+        for name in ("ts_log.log", "model_log.log"):
+            path = self.log_dir / name
+            if path.exists():
+                parts.append(path.read_text(errors="replace"))
+        return "\n".join(parts)
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.logs().splitlines()[-lines:])
+
+    def __enter__(self) -> TorchServe:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

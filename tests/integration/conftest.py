@@ -1,0 +1,41 @@
+"""A real TorchServe on loopback serving the tiny checkpoint, shared by the integration tests."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from llava.archive import build_archive
+from llava.launcher import TorchServe
+
+WORKER_DIED = ("Backend worker process died", "worker died", "IllegalStateException")
+
+
+@pytest.fixture(scope="session")
+def model_store(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    store = tmp_path_factory.mktemp("model-store")
+    build_archive(tiny_checkpoint, store, name="llava")
+    return store
+
+
+def start_server(store: Path, workdir: Path, **env: str) -> TorchServe:
+    return TorchServe(store, "llava", workdir=workdir, env=env).start()
+
+
+def assert_no_worker_death(server: TorchServe) -> None:
+    logs = server.logs()
+    for marker in WORKER_DIED:
+        assert marker not in logs, f"{marker!r} in TorchServe logs:\n{server.log_tail(60)}"
+
+
+@pytest.fixture(scope="session")
+def server(model_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TorchServe]:
+    """One TorchServe for the whole run; at the end, its logs must show no worker death."""
+    ts = start_server(model_store, tmp_path_factory.mktemp("ts"))
+    try:
+        yield ts
+        assert_no_worker_death(ts)
+    finally:
+        ts.stop()

@@ -1,0 +1,160 @@
+"""The session API end to end on a real TorchServe: statuses, headers, bodies, and answers."""
+
+from __future__ import annotations
+
+import re
+import time
+from datetime import datetime, timezone
+
+import httpx
+import pytest
+from helpers import Reference, ask, data_uri, make_image, open_session, post
+
+from llava.protocol import CLOSED_SESSION_HEADER, NEW_SESSION, NEW_SESSION_HEADER, SESSION_HEADER
+
+pytestmark = pytest.mark.integration
+
+EXPIRES = re.compile(r"^([0-9a-f]{40}); Expires=(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ)$")
+ROUTES = ["/predictions/llava", "/invocations"]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint):
+    return Reference(tiny_checkpoint)
+
+
+@pytest.fixture()
+def client():
+    with httpx.Client(timeout=60) as c:
+        yield c
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_open_query_follow_up_close(server, client, route):
+    url = server.url(route)
+    r = post(
+        client,
+        url,
+        {"type": "open_session", "image": data_uri(make_image(1))},
+        **{SESSION_HEADER: NEW_SESSION},
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    sid = body["session_id"]
+    for name in (NEW_SESSION_HEADER, SESSION_HEADER):
+        match = EXPIRES.match(r.headers[name])
+        assert match and match.group(1) == sid and match.group(2) == body["expires_at"]
+    expires = datetime.strptime(body["expires_at"], "%Y-%m-%dT%H:%M:%SZ").replace(
+        tzinfo=timezone.utc
+    )
+    assert 1100 < expires.timestamp() - time.time() <= 1201  # the 20-minute default TTL
+
+    first = ask(client, url, sid, "What is in the picture?", max_new_tokens=8)
+    assert first["session_id"] == sid and first["text"]
+    usage = first["usage"]
+    assert usage["generated_tokens"] >= 1 and usage["cached_tokens"] > 16  # image tokens reused
+    assert usage["ttft_ms"] <= usage["total_ms"]
+
+    second = ask(client, url, sid, "And what else?", max_new_tokens=8)
+    assert second["usage"]["cached_tokens"] > usage["cached_tokens"]  # the first turn is cached
+
+    r = post(client, url, {"type": "close_session"}, sid)
+    assert r.status_code == 200 and r.headers[CLOSED_SESSION_HEADER] == sid
+    assert r.json() == {"session_id": sid, "closed": True}
+
+    r = post(client, url, {"type": "query", "prompt": "Still there?"}, sid)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "session_closed"
+
+
+def test_missing_session_header_also_opens(server, client):
+    sid = open_session(client, server.url("/invocations"), data_uri(make_image(2)))
+    assert re.fullmatch(r"[0-9a-f]{40}", sid)
+    post(client, server.url("/invocations"), {"type": "close_session"}, sid)
+
+
+@pytest.mark.parametrize(
+    ("body", "sid", "status", "code"),
+    [
+        (
+            {"type": "query", "prompt": "hi"},
+            "0123456789abcdef0123456789abcdef01234567",
+            400,
+            "session_not_found",
+        ),
+        ({"type": "close_session"}, "nope", 400, "session_not_found"),
+        ({"type": "query", "prompt": "hi"}, None, 400, "invalid_request"),
+        ({"type": "query", "prompt": "hi"}, "bad_id.with_dots", 400, "invalid_request"),
+        ({"type": "dance"}, None, 400, "invalid_request"),
+        ({"type": "open_session"}, None, 400, "invalid_request"),
+        (
+            {"type": "open_session", "image": "data:image/png;base64,AAAA"},
+            None,
+            400,
+            "invalid_image",
+        ),
+        ({"type": "query", "prompt": "hi", "temperature": -1}, "abc", 400, "invalid_request"),
+    ],
+)
+def test_bad_requests_get_a_4xx_json_error_and_the_server_keeps_serving(
+    server, client, body, sid, status, code
+):
+    url = server.url("/predictions/llava")
+    r = post(client, url, body, sid)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["code"] == code
+    sid = open_session(client, url, data_uri(make_image(3)))
+    assert ask(client, url, sid, "ok?", max_new_tokens=2)["text"] is not None
+
+
+def test_body_that_is_not_json_is_a_400(server, client):
+    r = client.post(
+        server.url("/predictions/llava"),
+        content=b"{not json",
+        headers={"Content-Type": "application/json"},
+    )
+    assert r.status_code == 400 and r.json()["error"]["field"] == "body"
+
+
+def test_answers_equal_a_stateless_recomputation(server, client, reference):
+    """With greedy decoding, the session cache never changes the output."""
+    url = server.url("/predictions/llava")
+    prompts = ["What is this?", "Describe the colors.", "Is it big?", "Why?"]
+    for seed, system_prompt in [(10, None), (11, "Answer briefly.")]:
+        image = make_image(seed)
+        extra = {"system_prompt": system_prompt} if system_prompt else {}
+        sid = open_session(client, url, data_uri(image), **extra)
+        got = [ask(client, url, sid, p, max_new_tokens=12)["text"] for p in prompts]
+        assert got == reference.answers(image, prompts, 12, system_prompt)
+        assert len(set(got)) > 1  # a degenerate model would prove nothing
+
+
+def test_history_false_branches_without_touching_the_main_line(server, client, reference):
+    url = server.url("/predictions/llava")
+    image = make_image(12)
+    sid = open_session(client, url, data_uri(image))
+    first = ask(client, url, sid, "What is this?", max_new_tokens=10)["text"]
+    branch = ask(client, url, sid, "Describe it.", max_new_tokens=10, history=False)["text"]
+    follow = ask(client, url, sid, "Describe it.", max_new_tokens=10)["text"]
+    assert branch == reference.answers(image, ["Describe it."], 10)[0]
+    assert follow == reference.answers(image, ["What is this?", "Describe it."], 10)[1]
+    assert first == reference.answers(image, ["What is this?"], 10)[0]
+
+
+def test_streaming_sends_deltas_then_usage(server, client, reference):
+    url = server.url("/invocations")
+    image = make_image(13)
+    sid = open_session(client, url, data_uri(image))
+    body = {"type": "query", "prompt": "Tell me more.", "max_new_tokens": 16, "stream": True}
+    lines = []
+    with client.stream("POST", url, json=body, headers={SESSION_HEADER: sid}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("application/x-ndjson")
+        lines = [line for line in r.iter_lines() if line]
+    import json
+
+    events = [json.loads(line) for line in lines]
+    assert "usage" in events[-1] and all("text" in e for e in events[:-1])
+    assert len(events) > 2  # really streamed in pieces
+    text = "".join(e["text"] for e in events[:-1])
+    assert text == reference.answers(image, ["Tell me more."], 16)[0]
+    assert events[-1]["usage"]["generated_tokens"] >= 1
