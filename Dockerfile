@@ -1,0 +1,97 @@
+# llava-sessions: LLaVA with stateful sessions on TorchServe, as a SageMaker BYOC image.
+#
+# Built on the SageMaker PyTorch inference DLC rather than from scratch so that the image keeps
+# AWS's CUDA/cuDNN/NCCL-matched torch, TorchServe 0.12.0 with Java 17, the SageMaker inference
+# toolkit and its `serve` entrypoint - and so that SageMaker Container Caching, which covers this
+# base, can start endpoints faster. Build it with ./build_and_push.sh, which logs in to the DLC
+# registry first (the base image is private to AWS accounts).
+#
+# The DLC registry account 763104351884 serves most commercial regions; opt-in regions and China
+# use other accounts: pass BASE_IMAGE there.
+ARG REGION=us-east-1
+ARG BASE_IMAGE=763104351884.dkr.ecr.${REGION}.amazonaws.com/pytorch-inference:2.6.0-gpu-py312-cu124-ubuntu22.04-sagemaker
+
+FROM ${BASE_IMAGE}
+
+# Fail a RUN when any command of a pipeline fails, not only the last one.
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+
+# --- Optional: bake the model into the image --------------------------------------------------
+# By default the image holds no weights: SageMaker downloads the model data named by the model's
+# ModelDataUrl / ModelDataSource (uncompressed, S3DataType=S3Prefix, CompressionType=None) into
+# /opt/ml/model, which must hold an unpacked TorchServe archive
+# (`torch-model-archiver --archive-format no-archive`, i.e. with MAR-INF/MANIFEST.json).
+#
+# MODEL_DIR=<path inside the build context> copies such an unpacked archive to /opt/ml/model
+# instead. Deploy a baked image WITHOUT ModelDataUrl/ModelDataSource: model data, when given, is
+# placed at /opt/ml/model, where it hides or mixes with the baked copy - the image would carry
+# gigabytes for nothing, or serve a blend of two archives. Baking trades a larger image (slower
+# first pull, a new image per weight change) for no S3 download at start-up. (Not verified on a
+# live endpoint: that SageMaker leaves the image's /opt/ml/model alone when a model has no model
+# data. A baked image's first deployment should be watched until /ping answers 200.)
+#
+# The COPY sits before the kit install so that changing the kit's code does not re-copy or re-push
+# a multi-gigabyte weights layer. COPY cannot be skipped conditionally, so with MODEL_DIR empty it
+# copies a one-file placeholder, deleted again by the RUN below.
+ARG MODEL_DIR=
+COPY ${MODEL_DIR:-docker/no-model}/ /opt/ml/model/
+RUN if [ -n "${MODEL_DIR}" ] && [ ! -f /opt/ml/model/MAR-INF/MANIFEST.json ]; then \
+        echo "MODEL_DIR=${MODEL_DIR} has no MAR-INF/MANIFEST.json: create it with" \
+             "'torch-model-archiver --archive-format no-archive ...' or build without MODEL_DIR" >&2; \
+        exit 1; \
+    fi \
+ && rm -f /opt/ml/model/.llava-no-model
+
+# --- The kit ----------------------------------------------------------------------------------
+# Pin the base image's torch, torchvision, TorchServe, torch-model-archiver, ... to the versions it
+# already has (see docker/base_constraints.py for why), then install the kit under those
+# constraints. The constraints file stays in the image: PIP_CONSTRAINT below makes every later pip
+# run honour it too - the toolkit's start-up install of /opt/ml/model/code/requirements.txt and
+# images built FROM this one.
+COPY docker/base_constraints.py /opt/llava-sessions/base_constraints.py
+# README.md is pyproject's readme (the wheel's long description); the trailing * lets the build go
+# on without it, as setuptools only warns when it is missing.
+COPY pyproject.toml README.md* /tmp/llava-sessions-src/
+COPY llava/ /tmp/llava-sessions-src/llava/
+RUN python /opt/llava-sessions/base_constraints.py > /opt/llava-sessions/constraints.txt \
+ && cat /opt/llava-sessions/constraints.txt \
+ && python -m pip install --no-cache-dir --root-user-action=ignore \
+        -c /opt/llava-sessions/constraints.txt \
+        "/tmp/llava-sessions-src[engine,aws]" \
+ && rm -rf /tmp/llava-sessions-src
+
+# --- TorchServe and kit settings ----------------------------------------------------------------
+# The DLC entrypoint writes /etc/sagemaker-ts.properties with enable_envvars_config=true, so
+# TorchServe reads TS_<KEY> variables, and they take precedence over that file. Any of these can be
+# changed per deployment through the SageMaker model's Environment without rebuilding.
+#   TS_DEFAULT_RESPONSE_TIMEOUT: seconds TorchServe waits for each handler message before it kills
+#     and restarts the worker - which loses every session held in that worker's memory - so it is
+#     set well above the slowest legitimate generation. (It overrides the toolkit's
+#     SAGEMAKER_MODEL_SERVER_TIMEOUT; a per-model responseTimeout in model-config.yaml wins over
+#     both.) SageMaker's own 60 s limit on non-streaming responses is enforced at the router.
+#   TS_DEFAULT_STARTUP_TIMEOUT: seconds a worker may spend loading the model (default 120) - too
+#     short for reading LLaVA's weights from disk onto the GPU.
+#   TS_MAX_REQUEST_SIZE / TS_MAX_RESPONSE_SIZE: SageMaker's 6 MiB body limit, so that the container
+#     accepts everything the endpoint can deliver, and a local run rejects what SageMaker would.
+#   LLAVA_SESSION_TTL_S: idle seconds before a session expires (1200 s, as AWS containers use).
+#   LLAVA_SESSION_HEADER: the request header that carries the session id on SageMaker.
+ENV TS_DEFAULT_RESPONSE_TIMEOUT=300 \
+    TS_DEFAULT_STARTUP_TIMEOUT=600 \
+    TS_MAX_REQUEST_SIZE=6291456 \
+    TS_MAX_RESPONSE_SIZE=6291456 \
+    LLAVA_SESSION_TTL_S=1200 \
+    LLAVA_SESSION_HEADER=X-Amzn-SageMaker-Session-Id \
+    PIP_CONSTRAINT=/opt/llava-sessions/constraints.txt
+
+# No ENTRYPOINT/CMD: SageMaker runs `docker run IMAGE serve`, and the DLC's entrypoint turns `serve`
+# into the toolkit's TorchServe start with /opt/ml/model as the model. EXPOSE and the
+# com.amazonaws.sagemaker.* labels are inherited from the base image.
+
+# Last, so that a new commit only changes image metadata, not a cached layer.
+ARG BASE_IMAGE
+ARG VCS_REF=unknown
+LABEL org.opencontainers.image.title="llava-sessions" \
+      org.opencontainers.image.description="LLaVA with stateful sessions on TorchServe, for SageMaker sticky-session endpoints" \
+      org.opencontainers.image.licenses="Apache-2.0" \
+      org.opencontainers.image.revision="${VCS_REF}" \
+      org.opencontainers.image.base.name="${BASE_IMAGE}"

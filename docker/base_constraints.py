@@ -1,0 +1,75 @@
+"""Print pip constraints that pin the base image's own torch and TorchServe stack.
+
+Run inside the image at build time, before the kit is installed:
+
+    python docker/base_constraints.py > /opt/llava-sessions/constraints.txt
+    python -m pip install -c /opt/llava-sessions/constraints.txt ...
+
+Why: the kit's `engine` extra says `torch>=2.4`, so a resolver that sees a newer torch on PyPI may
+"upgrade" the DLC's CUDA build (torch 2.6.0+cu124, matched to the image's CUDA, NCCL and cuDNN) to a
+generic wheel several GB large, and TorchServe must stay the 0.12.0 the SageMaker toolkit drives.
+Pinning each package to the version already installed makes pip keep them or fail loudly.
+
+Standard library only: it runs under the base image's Python (3.12 in the 2.6.0 DLC) before anything
+is installed. Exit status 1, with the reason on stderr, when a required package is missing - that
+means BASE_IMAGE is not a TorchServe-based SageMaker PyTorch inference image.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterable
+from importlib.metadata import PackageNotFoundError, version
+
+# Without these the image cannot serve: pip must never replace them.
+REQUIRED = ("torch", "torchserve", "torch-model-archiver")
+# Pinned when the base image has them, so that no dependency drags in a build that does not match
+# its torch (torchvision/torchaudio/triton are built against one torch release) or its toolkit.
+OPTIONAL = (
+    "torchvision",
+    "torchaudio",
+    "torchtext",
+    "torchdata",
+    "triton",
+    "torch-workflow-archiver",
+    "sagemaker-pytorch-inference",
+    "sagemaker-inference",
+)
+
+
+def constraints(
+    lookup: Callable[[str], str] = version,
+    required: Iterable[str] = REQUIRED,
+    optional: Iterable[str] = OPTIONAL,
+) -> tuple[list[str], list[str]]:
+    """Return (`name==version` lines, names of missing required packages)."""
+    lines: list[str] = []
+    missing: list[str] = []
+    required = tuple(required)
+    for name in (*required, *optional):
+        try:
+            installed = lookup(name)
+        except PackageNotFoundError:
+            if name in required:
+                missing.append(name)
+            continue
+        lines.append(f"{name}=={installed}")
+    return lines, missing
+
+
+def main() -> int:
+    lines, missing = constraints()
+    if missing:
+        print(
+            f"error: the base image has no {', '.join(missing)}. BASE_IMAGE must be a "
+            "TorchServe-based SageMaker PyTorch inference DLC, e.g. "
+            "763104351884.dkr.ecr.<region>.amazonaws.com/pytorch-inference:2.6.0-gpu-py312-cu124-ubuntu22.04-sagemaker",
+            file=sys.stderr,
+        )
+        return 1
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,671 @@
+"""Shipping checks: the Dockerfile and build_and_push.sh lint clean, the Dockerfile keeps the
+DLC's torch, TorchServe and entrypoint, and build_and_push.sh makes exactly the aws/docker calls a
+push needs - checked against recording stand-ins for `aws` and `docker`, so no AWS account or Docker
+engine is needed.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import importlib.util
+import json
+import os
+import re
+import shlex
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+DOCKERFILE = REPO / "Dockerfile"
+SCRIPT = REPO / "build_and_push.sh"
+
+ACCOUNT = "123456789012"
+TOKEN = "ecr-token-for-tests"
+DLC_ACCOUNT = "763104351884"
+SAGEMAKER_BODY_LIMIT = 6 * 1024 * 1024
+
+
+def _tool(name: str) -> str:
+    """The linter pinned in the project's venv (next to this interpreter), else one on PATH."""
+    local = Path(sys.executable).parent / name
+    if local.is_file() and os.access(local, os.X_OK):
+        return str(local)
+    found = shutil.which(name)
+    if found is None:
+        pytest.fail(f"{name} not found: install the dev extra (pip install -e '.[dev]')")
+    return found
+
+
+# --- Linters --------------------------------------------------------------------------------------
+
+
+def test_hadolint_passes() -> None:
+    result = subprocess.run(
+        [_tool("hadolint"), "--no-color", str(DOCKERFILE)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_hadolint_ignores_are_justified() -> None:
+    lines = DOCKERFILE.read_text().splitlines()
+    for number, line in enumerate(lines):
+        if "hadolint ignore=" in line:
+            previous = lines[number - 1].strip() if number else ""
+            assert previous.startswith("#") and "hadolint" not in previous, (
+                f"Dockerfile line {number + 1}: an ignore needs a comment above it saying why"
+            )
+
+
+def _shell_scripts() -> list[Path]:
+    scripts = sorted({*REPO.glob("*.sh"), *(REPO / "docker").rglob("*.sh")})
+    assert SCRIPT in scripts
+    return scripts
+
+
+def test_shellcheck_passes() -> None:
+    scripts = _shell_scripts()
+    for script in scripts:
+        assert "shellcheck disable" not in script.read_text(), f"{script.name}: no disables"
+    result = subprocess.run(
+        [_tool("shellcheck"), "--external-sources", *map(str, scripts)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_script_is_executable_bash_with_strict_mode() -> None:
+    text = SCRIPT.read_text()
+    assert text.startswith("#!/usr/bin/env bash\n")
+    assert "\nset -euo pipefail\n" in text
+    assert SCRIPT.stat().st_mode & stat.S_IXUSR
+
+
+# --- Dockerfile structure -------------------------------------------------------------------------
+
+
+def _instructions(path: Path = DOCKERFILE) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs, with continuation lines joined and comments dropped."""
+    result: list[tuple[str, str]] = []
+    pending = ""
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue  # Docker also drops comment lines inside a continued instruction
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        line = pending + line
+        pending = ""
+        keyword, _, rest = line.partition(" ")
+        result.append((keyword.upper(), rest.strip()))
+    assert not pending, "Dockerfile ends inside a continued line"
+    return result
+
+
+def _key_values(arguments: str) -> dict[str, str]:
+    pairs = {}
+    for word in shlex.split(arguments):
+        key, sep, value = word.partition("=")
+        assert sep, f"expected KEY=VALUE, got {word!r}"
+        pairs[key] = value
+    return pairs
+
+
+def _args(instructions: list[tuple[str, str]]) -> dict[str, str]:
+    return {
+        name: default
+        for keyword, rest in instructions
+        if keyword == "ARG"
+        for name, _, default in [rest.partition("=")]
+    }
+
+
+def test_dockerfile_builds_from_the_sagemaker_pytorch_dlc_through_build_args() -> None:
+    instructions = _instructions()
+    first_from = next(i for i, (keyword, _) in enumerate(instructions) if keyword == "FROM")
+    global_args = _args(instructions[:first_from])
+    assert global_args["REGION"] == "us-east-1"
+    base = global_args["BASE_IMAGE"]
+    assert base.startswith(DLC_ACCOUNT + ".dkr.ecr.${REGION}.amazonaws.com/pytorch-inference:")
+    assert "pytorch-inference:2.6.0-gpu" in base
+    assert base.endswith("-sagemaker")
+    froms = [rest for keyword, rest in instructions if keyword == "FROM"]
+    assert froms == ["${BASE_IMAGE}"]
+
+
+def test_dockerfile_keeps_the_dlc_entrypoint() -> None:
+    keywords = {keyword for keyword, _ in _instructions()}
+    assert "ENTRYPOINT" not in keywords
+    assert "CMD" not in keywords
+    assert "USER" not in keywords  # the DLC entrypoint and TorchServe run as root
+
+
+def _pip_runs() -> list[str]:
+    return [rest for keyword, rest in _instructions() if keyword == "RUN" and "pip install" in rest]
+
+
+def test_kit_install_is_constrained_to_the_image_torch_and_torchserve() -> None:
+    runs = _pip_runs()
+    assert len(runs) == 1, runs
+    run = runs[0]
+    words = shlex.split(run)
+    # The constraints file is written by the helper, from what the base image has installed...
+    produced = re.search(r"python (\S+/base_constraints\.py) > (\S+)", run)
+    assert produced, run
+    helper, constraints = produced.groups()
+    copies = [rest.split() for keyword, rest in _instructions() if keyword == "COPY"]
+    assert ["docker/base_constraints.py", helper] in copies
+    # ... and applied to the very pip install that installs the kit.
+    install = words.index("install")
+    pip_words = words[install:]
+    pip_words = pip_words[: pip_words.index("&&")] if "&&" in pip_words else pip_words
+    assert pip_words[pip_words.index("-c") + 1] == constraints
+    assert "--no-cache-dir" in pip_words
+    assert any(word.endswith("[engine,aws]") for word in pip_words), pip_words
+    assert run.index("base_constraints.py") < run.index("pip install")
+    env = _env()
+    assert env["PIP_CONSTRAINT"] == constraints  # later pip runs keep the pins too
+
+
+def _load_helper():
+    spec = importlib.util.spec_from_file_location(
+        "base_constraints", REPO / "docker/base_constraints.py"
+    )
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_constraints_helper_pins_what_is_installed() -> None:
+    from importlib.metadata import version
+
+    helper = _load_helper()
+    assert {"torch", "torchserve", "torch-model-archiver"} <= set(helper.REQUIRED)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "docker/base_constraints.py")],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    lines = result.stdout.splitlines()
+    for name in ("torch", "torchserve", "torch-model-archiver"):
+        assert f"{name}=={version(name)}" in lines
+
+
+def test_constraints_helper_fails_when_the_base_lacks_torch() -> None:
+    from importlib.metadata import PackageNotFoundError
+
+    helper = _load_helper()
+    installed = {"torch": "2.6.0+cu124", "torchserve": "0.12.0", "torchvision": "0.21.0+cu124"}
+
+    def lookup(name: str) -> str:
+        if name not in installed:
+            raise PackageNotFoundError(name)
+        return installed[name]
+
+    lines, missing = helper.constraints(lookup)
+    assert lines == ["torch==2.6.0+cu124", "torchserve==0.12.0", "torchvision==0.21.0+cu124"]
+    assert missing == ["torch-model-archiver"]
+
+
+def _env() -> dict[str, str]:
+    env: dict[str, str] = {}
+    for keyword, rest in _instructions():
+        if keyword == "ENV":
+            env.update(_key_values(rest))
+    return env
+
+
+def test_dockerfile_ships_torchserve_and_session_settings_as_env() -> None:
+    env = _env()
+    assert env["LLAVA_SESSION_TTL_S"] == "1200"
+    assert env["LLAVA_SESSION_HEADER"] == "X-Amzn-SageMaker-Session-Id"
+    assert int(env["TS_MAX_REQUEST_SIZE"]) >= SAGEMAKER_BODY_LIMIT
+    assert int(env["TS_MAX_RESPONSE_SIZE"]) >= SAGEMAKER_BODY_LIMIT
+    # Above SageMaker's 60 s: a TorchServe timeout restarts the worker and loses its sessions.
+    assert int(env["TS_DEFAULT_RESPONSE_TIMEOUT"]) > 60
+    assert int(env["TS_DEFAULT_STARTUP_TIMEOUT"]) > 120
+
+
+def test_dockerfile_has_oci_labels() -> None:
+    labels: dict[str, str] = {}
+    for keyword, rest in _instructions():
+        if keyword == "LABEL":
+            labels.update(_key_values(rest))
+    for key in ("title", "description", "licenses", "revision", "base.name"):
+        assert labels.get(f"org.opencontainers.image.{key}"), key
+    assert labels["org.opencontainers.image.revision"] == "${VCS_REF}"
+
+
+def test_model_bake_is_optional_and_checked() -> None:
+    instructions = _instructions()
+    assert "MODEL_DIR=" in [rest for keyword, rest in instructions if keyword == "ARG"]
+    copies = [rest for keyword, rest in instructions if keyword == "COPY"]
+    assert "${MODEL_DIR:-docker/no-model}/ /opt/ml/model/" in copies
+    placeholders = [p.name for p in (REPO / "docker/no-model").iterdir()]
+    assert placeholders == [".llava-no-model"]
+    checks = [rest for keyword, rest in instructions if keyword == "RUN" and "MODEL_DIR" in rest]
+    assert len(checks) == 1
+    assert "MAR-INF/MANIFEST.json" in checks[0] and "exit 1" in checks[0]
+    assert "rm -f /opt/ml/model/.llava-no-model" in checks[0]
+    # The weights layer comes before the kit, so a code change does not re-push the weights.
+    bake = copies.index("${MODEL_DIR:-docker/no-model}/ /opt/ml/model/")
+    assert all(bake < copies.index(c) for c in copies if "llava" in c and "model" not in c)
+
+
+def _dockerignore_patterns() -> list[str]:
+    lines = (REPO / ".dockerignore").read_text().splitlines()
+    patterns = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+    # The matcher below handles plain globs only: keep .dockerignore free of exceptions.
+    assert not [p for p in patterns if p.startswith("!")]
+    return patterns
+
+
+def _ignored(path: str, patterns: list[str]) -> bool:
+    parts = path.strip("/").split("/")
+    prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    for pattern in patterns:
+        for prefix in prefixes:
+            if fnmatch.fnmatchcase(prefix, pattern):
+                return True
+            if pattern.startswith("**/") and fnmatch.fnmatchcase(prefix, pattern[3:]):
+                return True
+    return False
+
+
+def test_dockerignore_keeps_context_small_but_not_what_the_image_copies() -> None:
+    patterns = _dockerignore_patterns()
+    for excluded in (".git", ".venv", "tests", "bench/results", "model-store/llava.mar"):
+        assert _ignored(excluded, patterns), excluded
+    assert _ignored("llava/__pycache__/x.cpython-312.pyc", patterns)
+    sources = []
+    for keyword, rest in _instructions():
+        if keyword == "COPY" and not rest.startswith("--from"):
+            words = rest.split()
+            sources += [
+                w.replace("${MODEL_DIR:-docker/no-model}", "docker/no-model") for w in words[:-1]
+            ]
+    assert sources
+    for source in sources:
+        assert not _ignored(source.rstrip("*"), patterns), f".dockerignore drops COPYed {source}"
+        if "*" not in source:  # a wildcard source may match nothing (README.md*)
+            assert (REPO / source).exists(), f"{source} is COPYed but missing from the repo"
+    assert "pyproject.toml" in sources and "llava/" in sources
+    # An unpacked archive under model-store stays bakeable.
+    assert not _ignored("model-store/llava/MAR-INF/MANIFEST.json", patterns)
+
+
+# --- build_and_push.sh against recording stand-ins ------------------------------------------------
+
+FAKE_AWS = """\
+import json, os, sys
+
+args = sys.argv[1:]
+with open(os.environ["FAKE_LOG"], "a") as log:
+    log.write(json.dumps({"argv": ["aws", *args], "stdin": sys.stdin.read()}) + "\\n")
+
+if args[:3] == ["configure", "get", "region"]:
+    region = os.environ.get("FAKE_CONFIGURED_REGION", "")
+    if not region:
+        sys.exit(1)  # what the real CLI does for an unset value
+    print(region)
+elif args[:2] == ["sts", "get-caller-identity"]:
+    if os.environ.get("FAKE_NO_CREDENTIALS"):
+        sys.stderr.write("Unable to locate credentials. You can configure credentials by running "
+                         "\\"aws configure\\".\\n")
+        sys.exit(253)
+    assert args[2:6] == ["--query", "Account", "--output", "text"], args
+    print(os.environ["FAKE_ACCOUNT"])
+elif args[:2] == ["ecr", "describe-repositories"]:
+    name = args[args.index("--repository-names") + 1]
+    state = os.environ["FAKE_REPO"]
+    if state == "missing":
+        sys.stderr.write(
+            "\\nAn error occurred (RepositoryNotFoundException) when calling the "
+            f"DescribeRepositories operation: The repository with name '{name}' does not exist "
+            f"in the registry with id '{os.environ['FAKE_ACCOUNT']}'\\n")
+        sys.exit(254)
+    if state == "denied":
+        sys.stderr.write(
+            "\\nAn error occurred (AccessDeniedException) when calling the DescribeRepositories "
+            "operation: not authorized to perform: ecr:DescribeRepositories\\n")
+        sys.exit(254)
+    print(json.dumps({"repositories": [{"repositoryName": name}]}))
+elif args[:2] == ["ecr", "create-repository"]:
+    print(json.dumps({"repository": {"repositoryName": args[args.index("--repository-name") + 1]}}))
+elif args[:2] == ["ecr", "get-login-password"]:
+    print(os.environ["FAKE_TOKEN"])
+else:
+    sys.stderr.write(f"fake aws: unexpected call {args}\\n")
+    sys.exit(252)
+"""
+
+FAKE_DOCKER = """\
+import json, os, sys
+
+args = sys.argv[1:]
+entry = {"argv": ["docker", *args], "stdin": sys.stdin.read()}
+if args[:2] == ["buildx", "build"]:
+    entry["cwd"] = os.getcwd()
+with open(os.environ["FAKE_LOG"], "a") as log:
+    log.write(json.dumps(entry) + "\\n")
+
+if args[:1] == ["login"]:
+    if "--password-stdin" not in args or entry["stdin"].strip() != os.environ["FAKE_TOKEN"]:
+        sys.stderr.write("Error response from daemon: login attempt failed\\n")
+        sys.exit(1)
+    print("Login Succeeded")
+elif args[:2] == ["buildx", "version"]:
+    print("github.com/docker/buildx v0.19.3 48d6a39")
+elif args[:2] == ["buildx", "build"]:
+    print("#0 building with \\"default\\" instance using docker driver")
+    if os.environ.get("FAKE_BUILD_FAILS"):
+        sys.exit(1)
+elif args[:1] == ["tag"]:
+    pass
+elif args[:1] == ["push"]:
+    print(f"The push refers to repository [{args[1].rsplit(':', 1)[0]}]")
+else:
+    sys.stderr.write(f"fake docker: unexpected call {args}\\n")
+    sys.exit(125)
+"""
+
+
+class Run:
+    def __init__(self, result: subprocess.CompletedProcess[str], log: Path) -> None:
+        self.returncode = result.returncode
+        self.stdout = result.stdout
+        self.stderr = result.stderr
+        entries = (
+            [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+        )
+        self.entries = entries
+        self.calls = [entry["argv"] for entry in entries]
+
+    def programs(self) -> set[str]:
+        return {call[0] for call in self.calls}
+
+
+@pytest.fixture
+def sandbox(tmp_path: Path):
+    """A copy of the script in its own context dir, with `aws` and `docker` stand-ins on PATH."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, source in (("aws", FAKE_AWS), ("docker", FAKE_DOCKER)):
+        fake = bin_dir / name
+        fake.write_text(f"#!{sys.executable}\n{source}")
+        fake.chmod(0o755)
+    context = tmp_path / "context"
+    context.mkdir()
+    shutil.copy2(SCRIPT, context / SCRIPT.name)
+    shutil.copy2(DOCKERFILE, context / DOCKERFILE.name)
+    home = tmp_path / "home"
+    home.mkdir()
+    log = tmp_path / "calls.jsonl"
+    base_env = {
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', os.defpath)}",
+        "HOME": str(home),
+        "LANG": "C.UTF-8",
+        "GIT_CEILING_DIRECTORIES": str(tmp_path),
+        "GIT_CONFIG_NOSYSTEM": "1",
+        "FAKE_LOG": str(log),
+        "FAKE_ACCOUNT": ACCOUNT,
+        "FAKE_TOKEN": TOKEN,
+        "FAKE_REPO": "exists",
+    }
+
+    class Sandbox:
+        dir = context
+
+        def git_commit(self) -> tuple[str, str]:
+            def git(*args: str) -> str:
+                return subprocess.run(
+                    ["git", "-c", "user.name=test", "-c", "user.email=test@example.com", *args],
+                    cwd=context,
+                    env=base_env,
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                ).stdout.strip()
+
+            git("init", "-q")
+            git("add", "-A")
+            git("commit", "-q", "-m", "init")
+            return git("rev-parse", "--short", "HEAD"), git("rev-parse", "HEAD")
+
+        def run(self, *args: str, **env: str) -> Run:
+            if log.exists():
+                log.unlink()
+            result = subprocess.run(
+                [str(context / SCRIPT.name), *args],
+                cwd=tmp_path,  # not the context: the script must find its own directory
+                env={**base_env, **env},
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
+            return Run(result, log)
+
+    return Sandbox()
+
+
+def _expected(
+    region: str,
+    repository: str = "llava-sessions",
+    tag: str = "latest",
+    revision: str = "unknown",
+    *,
+    create: bool = False,
+    configure: bool = False,
+    base_login: tuple[str, str] | None = None,
+    extra_build_args: tuple[str, ...] = (),
+) -> list[list[str]]:
+    registry = f"{ACCOUNT}.dkr.ecr.{region}.amazonaws.com"
+    uri = f"{registry}/{repository}:{tag}"
+    base_host, base_region = base_login or (f"{DLC_ACCOUNT}.dkr.ecr.{region}.amazonaws.com", region)
+    calls = [["aws", "configure", "get", "region"]] if configure else []
+    calls += [
+        ["docker", "buildx", "version"],
+        ["aws", "sts", "get-caller-identity", "--query", "Account", "--output", "text"]
+        + ["--region", region],
+        ["aws", "ecr", "describe-repositories", "--region", region]
+        + ["--repository-names", repository],
+    ]
+    if create:
+        calls.append(
+            ["aws", "ecr", "create-repository", "--region", region, "--repository-name", repository]
+            + ["--image-scanning-configuration", "scanOnPush=true"]
+        )
+    for host, host_region in ((base_host, base_region), (registry, region)):
+        calls += [
+            ["aws", "ecr", "get-login-password", "--region", host_region],
+            ["docker", "login", "--username", "AWS", "--password-stdin", host],
+        ]
+    build_args = ["--build-arg", f"REGION={region}", *extra_build_args]
+    build_args += ["--build-arg", f"VCS_REF={revision}"]
+    calls += [
+        ["docker", "buildx", "build", "--platform", "linux/amd64", "--provenance=false"]
+        + ["--output", "type=docker", *build_args, "-t", f"{repository}:{tag}", "."],
+        ["docker", "tag", f"{repository}:{tag}", uri],
+        ["docker", "push", uri],
+    ]
+    return calls
+
+
+def _assert_pushed(run: Run, expected: list[list[str]], context: Path) -> None:
+    assert run.returncode == 0, run.stderr
+    assert run.calls == expected
+    # Only `docker login` is fed anything on stdin, and it gets the ECR token.
+    for entry in run.entries:
+        if entry["argv"][:2] == ["docker", "login"]:
+            assert entry["stdin"].strip() == TOKEN
+        else:
+            assert entry["stdin"] == "", entry
+    build = next(e for e in run.entries if e["argv"][1:3] == ["buildx", "build"])
+    assert Path(build["cwd"]) == context
+    # The image URI is the last (and only) stdout line; progress went to stderr.
+    uri = expected[-1][-1]
+    assert run.stdout.splitlines() == [uri]
+    assert "==>" in run.stderr
+
+
+def test_missing_repository_is_created(sandbox) -> None:
+    short, full = sandbox.git_commit()
+    run = sandbox.run(AWS_REGION="eu-west-1", FAKE_REPO="missing")
+    expected = _expected("eu-west-1", tag=short, revision=full, create=True)
+    _assert_pushed(run, expected, sandbox.dir)
+    assert run.stdout.strip() == f"{ACCOUNT}.dkr.ecr.eu-west-1.amazonaws.com/llava-sessions:{short}"
+
+
+def test_existing_repository_is_not_created(sandbox) -> None:
+    short, full = sandbox.git_commit()
+    run = sandbox.run(AWS_REGION="eu-west-1", FAKE_REPO="exists")
+    _assert_pushed(run, _expected("eu-west-1", tag=short, revision=full), sandbox.dir)
+    assert not [call for call in run.calls if "create-repository" in call]
+
+
+@pytest.mark.parametrize(
+    ("env", "region", "configure"),
+    [
+        ({"AWS_REGION": "eu-west-1", "AWS_DEFAULT_REGION": "us-west-2"}, "eu-west-1", False),
+        ({"AWS_DEFAULT_REGION": "us-west-2"}, "us-west-2", False),
+        ({"FAKE_CONFIGURED_REGION": "ap-southeast-2"}, "ap-southeast-2", True),
+        (
+            {"AWS_REGION": "", "AWS_DEFAULT_REGION": "", "FAKE_CONFIGURED_REGION": "eu-central-1"},
+            "eu-central-1",
+            True,
+        ),
+    ],
+    ids=["AWS_REGION-wins", "AWS_DEFAULT_REGION", "aws-configure", "empty-vars-fall-through"],
+)
+def test_region_sources_in_order(
+    sandbox, env: dict[str, str], region: str, configure: bool
+) -> None:
+    run = sandbox.run(**env)
+    _assert_pushed(run, _expected(region, configure=configure), sandbox.dir)
+
+
+def test_missing_region_fails_before_any_aws_or_docker_work(sandbox) -> None:
+    run = sandbox.run()
+    assert run.returncode != 0
+    assert run.calls == [["aws", "configure", "get", "region"]]
+    assert "docker" not in run.programs()
+    assert "AWS_REGION" in run.stderr and "aws configure set region" in run.stderr
+    assert run.stdout == ""
+
+
+def test_custom_repository_and_tag(sandbox) -> None:
+    short, full = sandbox.git_commit()
+    run = sandbox.run("team/llava-test", "v1.2.0", AWS_REGION="us-west-2", FAKE_REPO="missing")
+    expected = _expected(
+        "us-west-2", "team/llava-test", "v1.2.0", revision=full, create=True
+    )  # an explicit tag wins over the commit, which still labels the image
+    _assert_pushed(run, expected, sandbox.dir)
+    assert run.stdout.strip() == f"{ACCOUNT}.dkr.ecr.us-west-2.amazonaws.com/team/llava-test:v1.2.0"
+
+
+def test_tag_defaults_to_latest_outside_git(sandbox) -> None:
+    run = sandbox.run(AWS_REGION="eu-west-1")
+    _assert_pushed(run, _expected("eu-west-1", tag="latest", revision="unknown"), sandbox.dir)
+
+
+def test_base_image_and_model_dir_pass_through(sandbox) -> None:
+    manifest = sandbox.dir / "model-store/llava/MAR-INF/MANIFEST.json"
+    manifest.parent.mkdir(parents=True)
+    manifest.write_text("{}")
+    base = (
+        f"{DLC_ACCOUNT}.dkr.ecr.us-west-2.amazonaws.com/"
+        "pytorch-inference:2.5.1-gpu-py311-cu124-ubuntu22.04-sagemaker"
+    )
+    run = sandbox.run(
+        AWS_REGION="eu-west-1", BASE_IMAGE=base, MODEL_DIR=str(sandbox.dir / "model-store/llava")
+    )
+    expected = _expected(
+        "eu-west-1",
+        base_login=(f"{DLC_ACCOUNT}.dkr.ecr.us-west-2.amazonaws.com", "us-west-2"),
+        extra_build_args=(
+            "--build-arg",
+            f"BASE_IMAGE={base}",
+            "--build-arg",
+            "MODEL_DIR=model-store/llava",  # made relative to the build context
+        ),
+    )
+    _assert_pushed(run, expected, sandbox.dir)
+
+
+def test_base_image_outside_ecr_gets_no_login(sandbox) -> None:
+    run = sandbox.run(AWS_REGION="eu-west-1", BASE_IMAGE="docker.io/pytorch/torchserve:0.12.0-gpu")
+    logins = [call[-1] for call in run.calls if call[:2] == ["docker", "login"]]
+    assert run.returncode == 0, run.stderr
+    assert logins == [f"{ACCOUNT}.dkr.ecr.eu-west-1.amazonaws.com"]
+
+
+@pytest.mark.parametrize(
+    ("model_dir", "message"),
+    [("model-store/empty", "MAR-INF/MANIFEST.json"), ("../elsewhere", "outside the build context")],
+)
+def test_bad_model_dir_fails_before_building(sandbox, model_dir: str, message: str) -> None:
+    (sandbox.dir / "model-store/empty").mkdir(parents=True)
+    run = sandbox.run(AWS_REGION="eu-west-1", MODEL_DIR=model_dir)
+    assert run.returncode != 0
+    assert message in run.stderr
+    assert run.calls == []
+
+
+def test_describe_errors_other_than_not_found_stop_the_push(sandbox) -> None:
+    run = sandbox.run(AWS_REGION="eu-west-1", FAKE_REPO="denied")
+    assert run.returncode != 0
+    assert "AccessDeniedException" in run.stderr and "ecr:DescribeRepositories" in run.stderr
+    assert run.calls == _expected("eu-west-1")[:3]  # no create, no login, no build
+    assert run.stdout == ""
+
+
+def test_missing_credentials_say_what_to_do(sandbox) -> None:
+    run = sandbox.run(AWS_REGION="eu-west-1", FAKE_NO_CREDENTIALS="1")
+    assert run.returncode != 0
+    assert "aws configure" in run.stderr and "aws sso login" in run.stderr
+    assert run.calls == _expected("eu-west-1")[:2]
+
+
+def test_failed_build_pushes_nothing(sandbox) -> None:
+    run = sandbox.run(AWS_REGION="eu-west-1", FAKE_BUILD_FAILS="1")
+    assert run.returncode != 0
+    assert run.calls == _expected("eu-west-1")[:-2]  # no tag, no push
+    assert "docker build failed" in run.stderr
+    assert run.stdout == ""
+
+
+@pytest.mark.parametrize(
+    "args",
+    [("Not_Valid",), ("llava-sessions", "bad tag"), ("a", "b", "c"), ("--push",)],
+    ids=["repository", "tag", "too-many", "unknown-option"],
+)
+def test_bad_arguments_fail_before_any_call(sandbox, args: tuple[str, ...]) -> None:
+    run = sandbox.run(*args, AWS_REGION="eu-west-1")
+    assert run.returncode != 0
+    assert run.stderr.strip()
+    assert run.calls == []
+
+
+def test_help_documents_defaults_and_makes_no_calls(sandbox) -> None:
+    run = sandbox.run("-h")
+    assert run.returncode == 0
+    assert "Usage: ./build_and_push.sh [repository] [tag]" in run.stdout
+    for needle in ("llava-sessions", "short commit", "latest", "AWS_DEFAULT_REGION", "MODEL_DIR"):
+        assert needle in run.stdout
+    assert run.calls == []
