@@ -63,6 +63,7 @@ _HINT = "send the image inline as base64 instead"
 _WANTED_FORMATS = ("PNG", "JPEG", "MPO", "GIF", "WEBP", "BMP", "TIFF", "AVIF")
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]{0,31}):")
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+_WARNINGS_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -320,9 +321,12 @@ def _resolve(resolver: Resolver, host: str, port: int, deadline: float) -> list[
         ) from None
     if error is not None:
         raise error
-    addresses = box.get("addresses") or []
+    addresses = [str(a) for a in box.get("addresses") or []]
     if not addresses:
         raise ImageFetchError(f"image host {host!r} has no addresses; check the URL or {_HINT}")
+    if any(_parse_ip(a) is None for a in addresses):
+        # Connecting to a name would let the OS resolve it again, behind our back.
+        raise ImageFetchError(f"resolving image host {host!r} gave something not an IP address")
     return addresses
 
 
@@ -412,8 +416,7 @@ class _PinnedBackend(httpcore.NetworkBackend):
                 error = exc
                 continue
             return _DeadlineStream(stream, self._deadline)
-        assert error is not None  # addresses is never empty
-        raise error
+        raise error or httpcore.ConnectError(f"no address to connect to for {host}")
 
     def connect_unix_socket(
         self,
@@ -564,7 +567,12 @@ def _formats() -> tuple[str, ...]:
 def _open(data: bytes) -> Image.Image:
     """Open image bytes lazily (header only), mapping Pillow's failures to kit errors."""
     try:
-        return Image.open(io.BytesIO(data), formats=list(_formats()))
+        # Pillow only *warns* between 1x and 2x its bomb limit; make that band an error here
+        # without touching Pillow's global limit. catch_warnings swaps process-wide state, so
+        # our threads take turns; the section only parses a header, so the lock is brief.
+        with _WARNINGS_LOCK, warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            return Image.open(io.BytesIO(data), formats=list(_formats()))
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
         raise ImageTooLarge(
             "image dimensions exceed the decompression-bomb limit; send a smaller image"
@@ -632,28 +640,24 @@ def _to_rgb(img: Image.Image) -> Image.Image:
 
 def _parse(data: bytes, max_pixels: int) -> Image.Image:
     """Identify, size-check, verify and decode image bytes (first frame only)."""
-    with warnings.catch_warnings():
-        # Pillow only *warns* between 1x and 2x its bomb limit; make that band an error here
-        # without touching Pillow's global limit.
-        warnings.simplefilter("error", Image.DecompressionBombWarning)
-        try:
-            probe = _open(data)
-            _check_pixels(probe.size, max_pixels)
-            probe.verify()
-            # verify() leaves the image unusable, so decode from a fresh open.
-            img = _open(data)
-            img.load()  # animated formats decode only the first frame here
-            return img
-        except KitError:
-            raise
-        except (Image.DecompressionBombError, Image.DecompressionBombWarning, MemoryError):
-            raise ImageTooLarge(
-                "image is too large to decode; send a smaller image", max_pixels=max_pixels
-            ) from None
-        except Exception:  # noqa: BLE001 - Pillow plugins raise many types on hostile input
-            raise ImageError(
-                "image data is corrupt or truncated; re-export the image and send it again"
-            ) from None
+    try:
+        probe = _open(data)
+        _check_pixels(probe.size, max_pixels)
+        probe.verify()
+        # verify() leaves the image unusable, so decode from a fresh open.
+        img = _open(data)
+        img.load()  # animated formats decode only the first frame here
+        return img
+    except KitError:
+        raise
+    except (Image.DecompressionBombError, MemoryError):
+        raise ImageTooLarge(
+            "image is too large to decode; send a smaller image", max_pixels=max_pixels
+        ) from None
+    except Exception:  # noqa: BLE001 - Pillow plugins raise many types on hostile input
+        raise ImageError(
+            "image data is corrupt or truncated; re-export the image and send it again"
+        ) from None
 
 
 def _decode_rgb(data: bytes, max_pixels: int) -> Image.Image:
@@ -705,10 +709,9 @@ def _default_s3_client(policy: ImagePolicy) -> Any:
 def _s3_error_code(exc: Exception) -> str:
     """Pull the S3 error code (NoSuchKey, AccessDenied, ...) out of a botocore error."""
     response = getattr(exc, "response", None)
-    if isinstance(response, dict):
-        code = response.get("Error", {}).get("Code")
-        if code:
-            return _clean(str(code), 40)
+    error = response.get("Error") if isinstance(response, dict) else None
+    if isinstance(error, dict) and error.get("Code"):
+        return _clean(str(error["Code"]), 40)
     return type(exc).__name__
 
 
