@@ -1,0 +1,335 @@
+"""The TorchServe adapter over a fake context and a SessionService on a fake engine."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from llava.errors import ImageError
+from llava.protocol import (
+    JSON_CONTENT_TYPE,
+    NEW_SESSION_HEADER,
+    SESSION_HEADER,
+    STREAM_CONTENT_TYPE,
+    GenerationParams,
+)
+from llava.service import Reply, SessionService
+from llava.sessions import SessionStore
+from llava.torchserve import SessionHandler
+
+DATA_IMAGE = "data:image/png;base64,AAAA"
+HTTPS_IMAGE = "https://images.example.com/cat.png"
+
+
+# -- fakes ---------------------------------------------------------------------------------
+
+
+class FakeContext:
+    """Mimics the parts of ts.context.Context the handler uses."""
+
+    def __init__(self, request_ids: list[str], headers: list[dict[str, str]] | None = None) -> None:
+        self.request_ids: dict[int, str] = dict(enumerate(request_ids))
+        self._headers = headers or [{} for _ in request_ids]
+        self.statuses: dict[int, tuple[int, str]] = {}
+        self.content_types: dict[int, str] = {}
+        self.headers: dict[int, dict[str, str]] = {}
+        self.stopping_criteria: Any = None
+
+    def get_all_request_header(self, idx: int) -> dict[str, str]:
+        return self._headers[idx]
+
+    def set_response_status(self, code: int = 200, phrase: str = "", idx: int = 0) -> None:
+        self.statuses[idx] = (code, phrase)
+
+    def set_response_content_type(self, idx: int, value: str) -> None:
+        self.content_types[idx] = value
+
+    def set_response_header(self, idx: int, key: str, value: str) -> None:
+        self.headers.setdefault(idx, {})[key] = value
+
+
+class FakeImages:
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+
+    def load(self, ref: str) -> str:
+        if "bad" in ref:
+            raise ImageError("cannot decode image", field="image")
+        if ref.startswith("https://"):
+            self.gate.wait(10)
+        return ref
+
+
+@dataclass(eq=False)
+class FakeState:
+    image: Any
+    nbytes: int = 64
+
+
+@dataclass(eq=False)
+class FakeTurn:
+    words: list[str]
+    generated: list[str] = field(default_factory=list)
+    text: str = ""
+    delta: str = ""
+    done: bool = False
+    finish_reason: str | None = None
+
+    def usage(self) -> dict[str, Any]:
+        return {"generated_tokens": len(self.generated)}
+
+
+class FakeEngine:
+    """Each turn yields the prompt's words, one per step."""
+
+    def open_session(self, image: Any, system_prompt: str | None = None) -> FakeState:
+        return FakeState(image)
+
+    def start_turn(
+        self, state: Any, prompt: str, params: GenerationParams, *, history: bool = True
+    ) -> FakeTurn:
+        return FakeTurn(prompt.split())
+
+    def step(self, turns: list[FakeTurn]) -> dict[int, BaseException]:
+        for turn in turns:
+            word = turn.words[len(turn.generated)]
+            turn.delta = word if not turn.generated else " " + word
+            turn.generated.append(word)
+            turn.text += turn.delta
+            if len(turn.generated) == len(turn.words):
+                turn.done, turn.finish_reason = True, "stop"
+        return {}
+
+    def finish_turn(self, turn: FakeTurn) -> None:
+        pass
+
+    def abort_turn(self, turn: FakeTurn) -> None:
+        pass
+
+    def release(self, state: Any) -> None:
+        pass
+
+
+class ExplodingService:
+    def step(self, batch: Any) -> Any:
+        raise RuntimeError("bug above the per-request guards")
+
+
+# -- fixtures and helpers ------------------------------------------------------------------
+
+
+@pytest.fixture
+def images() -> Iterator[FakeImages]:
+    source = FakeImages()
+    yield source
+    source.gate.set()
+
+
+@pytest.fixture
+def handler(images: FakeImages) -> Iterator[SessionHandler]:
+    engine = FakeEngine()
+    store = SessionStore(ttl_s=60, max_sessions=2, release=lambda s, r: engine.release(s.state))
+    service = SessionService(engine, store, images, fetch_threads=1)
+    h = SessionHandler()
+    h.service = service
+    yield h
+    images.gate.set()
+    service.close()
+
+
+def body(kind: str, **fields: Any) -> bytes:
+    return json.dumps({"type": kind, **fields}).encode()
+
+
+def call(
+    handler: SessionHandler, rows: list[tuple[str, Any, dict[str, str]]], key: str = "body"
+) -> tuple[list[Any], FakeContext]:
+    """Run one handle() step; rows are (request id, body, headers)."""
+    context = FakeContext([rid for rid, _, _ in rows], [h for _, _, h in rows])
+    data = [{key: b} for _, b, _ in rows]
+    outputs = handler.handle(data, context)
+    assert len(outputs) == len(data)
+    assert len(context.stopping_criteria) == len(data)
+    return outputs, context
+
+
+def stops(context: FakeContext) -> list[bool | None]:
+    return [criterion(b"anything") for criterion in context.stopping_criteria]
+
+
+def open_session(handler: SessionHandler) -> str:
+    outputs, _ = call(handler, [("open", body("open_session", image=DATA_IMAGE), {})])
+    return json.loads(outputs[0])["session_id"]
+
+
+# -- tests ---------------------------------------------------------------------------------
+
+
+def test_open_sets_status_content_type_headers_and_whole_response(handler: SessionHandler) -> None:
+    outputs, context = call(handler, [("r0", body("open_session", image=DATA_IMAGE), {})])
+    reply = json.loads(outputs[0])
+    assert context.statuses == {0: (200, "OK")}
+    assert context.content_types == {0: JSON_CONTENT_TYPE}
+    assert context.headers[0][NEW_SESSION_HEADER].startswith(reply["session_id"] + "; Expires=")
+    assert context.headers[0][SESSION_HEADER] == context.headers[0][NEW_SESSION_HEADER]
+    assert stops(context) == [None]
+    assert context.request_ids == {0: "r0"}
+
+
+def test_withheld_request_is_removed_from_request_ids_with_a_placeholder(
+    handler: SessionHandler,
+) -> None:
+    sid = open_session(handler)
+    rows = [
+        ("q", body("query", prompt="a b c"), {SESSION_HEADER: sid}),
+        ("bad", b"{oops", {}),
+    ]
+    outputs, context = call(handler, rows)
+    assert context.request_ids == {1: "bad"}
+    assert outputs[0] == b""
+    assert 0 not in context.statuses and 0 not in context.content_types and 0 not in context.headers
+    assert context.statuses[1] == (400, "Bad Request")
+    assert json.loads(outputs[1])["error"]["code"] == "invalid_request"
+    assert stops(context) == [None, None]
+
+
+def test_pending_open_is_withheld_then_answered(
+    handler: SessionHandler, images: FakeImages
+) -> None:
+    outputs, context = call(handler, [("r0", body("open_session", image=HTTPS_IMAGE), {})])
+    assert outputs == [b""]
+    assert context.request_ids == {}
+    images.gate.set()
+    for _ in range(100):
+        outputs, context = call(handler, [("r0", {}, {})])
+        if context.request_ids:
+            break
+    assert context.request_ids == {0: "r0"}
+    assert context.statuses == {0: (200, "OK")}
+    assert "session_id" in json.loads(outputs[0])
+
+
+def test_stream_chunks_stop_false_then_true(handler: SessionHandler) -> None:
+    sid = open_session(handler)
+    headers = {SESSION_HEADER.lower(): sid}
+    first, ctx1 = call(handler, [("s", body("query", prompt="a b", stream=True), headers)])
+    assert stops(ctx1) == [False]
+    assert ctx1.content_types == {0: STREAM_CONTENT_TYPE}
+    assert ctx1.statuses == {0: (200, "OK")}
+    assert json.loads(first[0]) == {"text": "a"}
+    last, ctx2 = call(handler, [("s", {}, headers)])
+    assert stops(ctx2) == [True]
+    assert [json.loads(line) for line in last[0].splitlines()][0] == {"text": " b"}
+
+
+def test_stopping_criteria_never_raise(handler: SessionHandler) -> None:
+    sid = open_session(handler)
+    rows = [
+        ("s", body("query", prompt="a b c", stream=True), {SESSION_HEADER: sid}),
+        ("o", body("open_session", image=DATA_IMAGE), {}),
+        ("x", b"[]", {}),
+    ]
+    _, context = call(handler, rows)
+    for criterion in context.stopping_criteria:
+        for output in (None, b"", b"x", "text", {"a": 1}, object(), 0):
+            assert criterion(output) in (None, False, True)
+    assert stops(context) == [False, None, None]
+
+
+def test_statuses_and_headers_are_set_per_index(handler: SessionHandler) -> None:
+    open_session(handler)  # one of the two session slots
+    rows = [
+        ("bad-close", body("close_session"), {SESSION_HEADER: "unknown1"}),
+        ("bad-image", body("open_session", image="bad"), {}),
+        ("ok", body("open_session", image=DATA_IMAGE), {}),
+        ("full", body("open_session", image=DATA_IMAGE), {}),
+    ]
+    outputs, context = call(handler, rows)
+    assert context.statuses == {
+        0: (400, "Bad Request"),
+        1: (400, "Bad Request"),
+        2: (200, "OK"),
+        3: (429, "Too Many Requests"),
+    }
+    assert set(context.headers) == {2, 3}
+    assert set(context.headers[2]) == {NEW_SESSION_HEADER, SESSION_HEADER}
+    assert context.headers[3] == {"Retry-After": "30"}
+    errors = [json.loads(outputs[i])["error"]["code"] for i in (0, 1, 3)]
+    assert errors == ["session_not_found", "invalid_image", "capacity_exceeded"]
+    assert context.content_types == dict.fromkeys(range(4), JSON_CONTENT_TYPE)
+    assert stops(context) == [None] * 4
+
+
+@pytest.mark.parametrize("key", ["body", "data"])
+def test_rows_with_body_or_data_keys_are_read(handler: SessionHandler, key: str) -> None:
+    outputs, context = call(handler, [("r", body("open_session", image=DATA_IMAGE), {})], key=key)
+    assert context.statuses[0][0] == 200
+    assert "session_id" in json.loads(outputs[0])
+
+
+def test_decoded_dict_body_and_raw_row_are_read(handler: SessionHandler) -> None:
+    context = FakeContext(["d", "raw"])
+    data = [
+        {"body": {"type": "open_session", "image": DATA_IMAGE}},
+        body("open_session", image=DATA_IMAGE),
+    ]
+    outputs = handler.handle(data, context)
+    assert len(outputs) == 2
+    assert context.statuses == {0: (200, "OK"), 1: (200, "OK")}
+
+
+def test_body_key_wins_over_data_key(handler: SessionHandler) -> None:
+    context = FakeContext(["r"])
+    data = [{"body": body("open_session", image=DATA_IMAGE), "data": b"{garbage"}]
+    outputs = handler.handle(data, context)
+    assert context.statuses[0][0] == 200
+    assert "session_id" in json.loads(outputs[0])
+
+
+def test_service_step_raising_answers_each_request_with_500(handler: SessionHandler) -> None:
+    handler.service = ExplodingService()  # type: ignore[assignment]
+    rows = [("a", body("open_session", image=DATA_IMAGE), {}), ("b", b"{}", {}), ("c", {}, {})]
+    outputs, context = call(handler, rows)
+    assert context.statuses == {i: (500, "Internal Server Error") for i in range(3)}
+    for output in outputs:
+        error = json.loads(output)["error"]
+        assert error["code"] == "internal_error"
+        assert "bug above" not in output.decode()
+    assert stops(context) == [None, None, None]
+    assert context.request_ids == {0: "a", 1: "b", 2: "c"}
+
+
+def test_uninitialized_handler_answers_500_and_does_not_raise() -> None:
+    context = FakeContext(["a", "b"])
+    outputs = SessionHandler().handle([{"body": b"{}"}, {"body": b"{}"}], context)
+    assert len(outputs) == 2
+    assert context.statuses == {
+        0: (500, "Internal Server Error"),
+        1: (500, "Internal Server Error"),
+    }
+    assert [c(None) for c in context.stopping_criteria] == [None, None]
+
+
+def test_empty_batch_sets_empty_criteria(handler: SessionHandler) -> None:
+    context = FakeContext([])
+    assert handler.handle([], context) == []
+    assert context.stopping_criteria == []
+
+
+class StubService:
+    def __init__(self, replies: list[Reply | None]) -> None:
+        self.replies = replies
+
+    def step(self, batch: Any) -> list[Reply | None]:
+        return self.replies
+
+
+def test_unusual_statuses_get_a_reason_phrase(handler: SessionHandler) -> None:
+    handler.service = StubService([Reply(b"{}", status=499), Reply(b"{}", status=599)])  # type: ignore[assignment]
+    _, context = call(handler, [("a", b"{}", {}), ("b", b"{}", {})])
+    assert context.statuses == {0: (499, "Client Closed Request"), 1: (599, "Error")}
