@@ -8,6 +8,7 @@ Values are validated at start with messages that say what to change.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -16,6 +17,8 @@ from typing import Any
 from llava.protocol import Limits
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+# Numeric settings where 0 means "unset"; every other number must be positive.
+_ZERO_ALLOWED = {"max_replicas", "session_budget_mb", "max_context_tokens"}
 ENV_PREFIX = "LLAVA_"
 
 
@@ -53,16 +56,14 @@ class ServerConfig:
             raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device {self.device!r}: use auto, cpu, cuda or cuda:N")
-        for name in (
-            "session_ttl_s",
-            "max_sessions",
-            "max_new_tokens",
-            "max_prompt_tokens",
-            "reaper_interval_s",
-            "image_fetch_threads",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            if not math.isfinite(value):
+                raise ValueError(f"{f.name} must be a finite number, got {value}")
+            if value < 0 or (value == 0 and f.name not in _ZERO_ALLOWED):
+                raise ValueError(f"{f.name} must be positive, got {value}")
         if not 1 <= self.default_max_new_tokens <= self.max_new_tokens:
             raise ValueError("default_max_new_tokens must be between 1 and max_new_tokens")
 
@@ -108,7 +109,9 @@ def _coerce(f: dataclasses.Field, value: Any) -> Any:
     kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
     try:
         if kind.startswith("tuple"):
-            return tuple(value) if isinstance(value, (list, tuple)) else (str(value),)
+            if isinstance(value, str):
+                value = value.split(",")
+            return tuple(str(v).strip() for v in value if str(v).strip())
         if kind == "bool":
             if isinstance(value, bool):
                 return value
@@ -133,6 +136,4 @@ def _parse_env(f: dataclasses.Field, raw: str) -> Any:
         if lowered in ("0", "false", "no", "off"):
             return False
         raise ValueError(f"{ENV_PREFIX}{f.name.upper()}={raw!r}: use true or false")
-    if kind.startswith("tuple"):
-        return tuple(part.strip() for part in raw.split(",") if part.strip())
-    return raw
+    return raw  # _coerce converts it, splitting comma lists

@@ -49,6 +49,7 @@ class TorchServe:
         self.port = port or free_port()
         self.management_port = free_port()
         self.metrics_port = free_port()
+        self.worker_port = free_port()
         self.log_dir = self.workdir / "logs"
         self._bin = Path(sys.executable).parent
 
@@ -74,6 +75,9 @@ class TorchServe:
         text = text.replace("127.0.0.1:8082", f"127.0.0.1:{self.metrics_port}")
         text = text.replace("model_store=model-store", f"model_store={self.model_store}")
         text = text.replace("load_models=llava=llava", f"load_models={self.model}={self.model}")
+        # Worker sockets are /tmp/.ts.sock.<port> whatever TMPDIR says: give each instance its
+        # own range so several TorchServes can run side by side.
+        text += f"\ninitial_worker_port={self.worker_port}\n"
         path = self.workdir / "config.properties"
         path.write_text(text)
         return path

@@ -131,7 +131,7 @@ def _decode_body(body: Any, limits: Limits) -> dict[str, Any]:
         )
     try:
         obj = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise InvalidRequest(f"body is not valid JSON: {exc}", field="body") from None
     if not isinstance(obj, dict):
         raise InvalidRequest("body must be a JSON object", field="body")
@@ -154,7 +154,8 @@ def _session_id(obj: Mapping[str, Any], headers: Mapping[str, Any]) -> str | Non
     sid = from_header if from_header is not None else from_body
     if sid is not None and not is_valid_session_id(sid):
         raise InvalidRequest(
-            "malformed session id: letters, digits and single hyphens, at most 256 characters",
+            "malformed session id: letters, digits and hyphens (not first or last), at most 256 "
+            "characters",
             field="session_id",
         )
     return sid
@@ -162,7 +163,7 @@ def _session_id(obj: Mapping[str, Any], headers: Mapping[str, Any]) -> str | Non
 
 def is_valid_session_id(sid: str) -> bool:
     """Tell whether `sid` matches SageMaker's session id pattern."""
-    return len(sid) <= SESSION_ID_MAX_LEN and SESSION_ID_RE.match(sid) is not None
+    return len(sid) <= SESSION_ID_MAX_LEN and SESSION_ID_RE.fullmatch(sid) is not None
 
 
 def _check_fields(obj: Mapping[str, Any], allowed: set[str]) -> None:

@@ -37,7 +37,7 @@ from llava.protocol import (
     parse_request,
     stream_line,
 )
-from llava.sessions import Session, SessionStore, Slot
+from llava.sessions import LOST, Session, SessionStore, Slot
 
 log = logging.getLogger(__name__)
 
@@ -241,12 +241,16 @@ class SessionService:
             errors = dict.fromkeys(range(len(running)), exc)
         replies: dict[str, Reply] = {}
         for i, (request_id, work) in enumerate(running):
-            if i in errors:
-                reply = self._fail_answer(request_id, work, errors[i])
-            elif work.turn.done:
-                reply = self._finish_answer(request_id, work)
-            else:
-                reply = self._chunk(work)
+            try:
+                if i in errors:
+                    reply = self._fail_answer(request_id, work, errors[i])
+                elif work.turn.done:
+                    reply = self._finish_answer(request_id, work)
+                else:
+                    reply = self._chunk(work)
+            except Exception as exc:  # finishing this answer failed: fail it alone
+                self._work.pop(request_id, None)
+                reply = self._error_for(work, internal_error(exc))
             if reply is not None:
                 replies[request_id] = reply
         return replies
@@ -281,7 +285,10 @@ class SessionService:
 
     def _fail_answer(self, request_id: str, work: _Answering, exc: BaseException) -> Reply:
         self._drop_answer(request_id, work)
-        error = exc if isinstance(exc, KitError) else internal_error(exc)
+        return self._error_for(work, exc if isinstance(exc, KitError) else internal_error(exc))
+
+    @staticmethod
+    def _error_for(work: _Answering, error: KitError) -> Reply:
         if work.streaming:  # the head is gone: report in-band and end the stream
             return Reply(stream_line(error.to_body()), content_type=STREAM_CONTENT_TYPE, last=True)
         return error_reply(error)
@@ -290,6 +297,9 @@ class SessionService:
         del self._work[request_id]
         try:
             self.engine.abort_turn(work.turn)
+        except Exception as exc:  # the cache may be inconsistent: the session cannot go on
+            internal_error(exc)
+            self.store.end(work.session, LOST)
         finally:
             self.store.end_turn(work.session, self._nbytes(work.session))
 

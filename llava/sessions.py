@@ -40,7 +40,7 @@ _ENDED_ERRORS = {
     CLOSED: (SessionClosed, "session {} was closed; open a new one"),
     EXPIRED: (SessionExpired, "session {} expired after {} s idle; open a new one"),
     EVICTED: (SessionExpired, "session {} was evicted to make room for others; open a new one"),
-    LOST: (SessionLost, "session {} was lost when its worker restarted; open a new one"),
+    LOST: (SessionLost, "session {} was lost (its state could not be kept); open a new one"),
 }
 _TOMBSTONES = 65_536  # remembered ended ids, so a late request gets a precise error
 
@@ -182,6 +182,12 @@ class SessionStore:
             self._end(session, CLOSED)
             return session
 
+    def end(self, session: Session, reason: str) -> None:
+        """End a session for `reason` (one of CLOSED, EXPIRED, EVICTED, LOST)."""
+        with self._lock:
+            if session.id in self._sessions and not session.closing:
+                self._end(session, reason)
+
     def expires_at(self, session: Session) -> float:
         """Return the wall-clock time at which the session expires if left idle."""
         remaining = self.ttl_s - self._idle_for(session)
@@ -195,6 +201,7 @@ class SessionStore:
                 s for s in self._sessions.values() if not s.busy and self._idle_for(s) > self.ttl_s
             ]
             for session in expired:
+                log.info("session %s expired after %.0f s idle", session.id, self.ttl_s)
                 self._end(session, EXPIRED)
             return [s.id for s in expired]
 

@@ -669,11 +669,6 @@ def test_only_the_missing_request_is_abandoned(service: SessionService, engine: 
     assert b is not None and body_of(b)["text"] == "b1 b2 b3"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="service._finish_answer lets an exception from engine.finish_turn (or turn.usage) "
-    "escape step(): the other requests of the batch lose this step's replies",
-)
 def test_finish_turn_raising_fails_only_that_request(
     service: SessionService, engine: FakeEngine
 ) -> None:

@@ -1,0 +1,155 @@
+"""Many sessions and requests at once through one worker's continuous batching."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from conftest import assert_no_worker_death, start_server
+from helpers import Reference, ask, data_uri, make_image, open_session, post
+
+from llava.protocol import SESSION_HEADER
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint):
+    return Reference(tiny_checkpoint)
+
+
+def test_interleaved_sessions_each_keep_their_own_conversation(server, reference):
+    url = server.url("/predictions/llava")
+    prompts = ["What is this?", "Which colors?", "Anything else?"]
+    seeds = list(range(20, 26))
+
+    def converse(seed: int) -> list[str]:
+        with httpx.Client(timeout=120) as client:
+            sid = open_session(client, url, data_uri(make_image(seed)))
+            answers = []
+            for prompt in prompts:
+                answers.append(ask(client, url, sid, prompt, max_new_tokens=10)["text"])
+                time.sleep(0.01 * (seed % 3))  # shuffle the interleaving
+            post(client, url, {"type": "close_session"}, sid)
+            return answers
+
+    with ThreadPoolExecutor(len(seeds)) as pool:
+        results = dict(zip(seeds, pool.map(converse, seeds)))
+    for seed, answers in results.items():
+        assert answers == reference.answers(make_image(seed), prompts, 10), f"session {seed}"
+    assert len({tuple(a) for a in results.values()}) == len(seeds)
+
+
+def test_a_short_answer_is_not_blocked_by_a_long_one(server):
+    url = server.url("/predictions/llava")
+    with httpx.Client(timeout=120) as client:
+        long_sid = open_session(client, url, data_uri(make_image(30)))
+        short_sid = open_session(client, url, data_uri(make_image(31)))
+    finished: dict[str, float] = {}
+
+    def run(name: str, sid: str, tokens: int, delay: float) -> dict:
+        time.sleep(delay)
+        with httpx.Client(timeout=120) as client:
+            # A very high temperature makes an early end-of-sequence unlikely.
+            body = ask(client, url, sid, "Go on.", max_new_tokens=tokens, temperature=2.0, seed=7)
+        finished[name] = time.perf_counter()
+        return body
+
+    with ThreadPoolExecutor(2) as pool:
+        long = pool.submit(run, "long", long_sid, 400, 0.0)
+        short = pool.submit(run, "short", short_sid, 3, 0.3)
+        long_body, short_body = long.result(), short.result()
+    assert long_body["usage"]["generated_tokens"] > 50, long_body["usage"]
+    assert finished["short"] < finished["long"]
+
+
+def test_one_batch_mixing_good_and_bad_requests(server):
+    url = server.url("/predictions/llava")
+    with httpx.Client(timeout=60) as client:
+        sids = [open_session(client, url, data_uri(make_image(40 + i))) for i in range(4)]
+    requests = []
+    for i, sid in enumerate(sids):
+        requests.append(
+            ("good", {"type": "query", "prompt": f"Question {i}?", "max_new_tokens": 6}, sid)
+        )
+        requests.append(("bad", {"type": "query", "prompt": "", "max_new_tokens": 6}, sid))
+        requests.append(("bad", {"type": "query", "prompt": "x", "top_p": 7}, "f" * 40))
+        requests.append(("unknown", {"type": "query", "prompt": "x"}, "a" * 40))
+    barrier = threading.Barrier(len(requests))
+
+    def send(item):
+        kind, body, sid = item
+        with httpx.Client(timeout=60) as client:
+            barrier.wait()
+            return kind, post(client, url, body, sid)
+
+    with ThreadPoolExecutor(len(requests)) as pool:
+        results = list(pool.map(send, requests))
+    for kind, response in results:
+        if kind == "good":
+            assert response.status_code == 200, response.text
+            assert response.json()["usage"]["generated_tokens"] >= 1
+        else:
+            assert response.status_code == 400, response.text
+            code = response.json()["error"]["code"]
+            assert code == ("session_not_found" if kind == "unknown" else "invalid_request")
+
+
+def test_a_client_that_disconnects_mid_answer_frees_its_session(server, reference):
+    url = server.url("/invocations")
+    image = make_image(50)
+    with httpx.Client(timeout=60) as client:
+        sid = open_session(client, url, data_uri(image))
+    body = json.dumps(
+        {
+            "type": "query",
+            "prompt": "Talk.",
+            "max_new_tokens": 500,
+            "temperature": 2.0,
+            "seed": 3,
+            "stream": True,
+        }
+    ).encode()
+    request = (
+        f"POST /invocations HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"{SESSION_HEADER}: {sid}\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(request)
+        head = sock.recv(4096)
+        assert head.startswith(b"HTTP/1.1 200"), head[:200]
+    # The abandoned answer is dropped a step later; the session is then free and unchanged:
+    # its next answer is the first turn of the conversation.
+    with httpx.Client(timeout=60) as client:
+        for _ in range(50):
+            r = post(
+                client, url, {"type": "query", "prompt": "What is this?", "max_new_tokens": 8}, sid
+            )
+            if r.status_code != 409:
+                break
+            time.sleep(0.1)
+        assert r.status_code == 200, r.text
+        assert r.json()["text"] == reference.answers(image, ["What is this?"], 8)[0]
+    assert "left the batch" in server.logs()
+
+
+def test_idle_sessions_expire_without_any_new_request(model_store, tmp_path):
+    ts = start_server(
+        model_store, tmp_path, LLAVA_SESSION_TTL_S="1.5", LLAVA_REAPER_INTERVAL_S="0.2"
+    )
+    try:
+        url = ts.url("/predictions/llava")
+        with httpx.Client(timeout=60) as client:
+            sid = open_session(client, url, data_uri(make_image(60)))
+            time.sleep(4)
+            assert f"session {sid} expired" in ts.logs()  # freed by the reaper, unprompted
+            r = post(client, url, {"type": "query", "prompt": "hi"}, sid)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "session_expired"
+        assert_no_worker_death(ts)
+    finally:
+        ts.stop()
