@@ -78,6 +78,8 @@ class TorchServe:
         # Worker sockets are /tmp/.ts.sock.<port> whatever TMPDIR says: give each instance its
         # own range so several TorchServes can run side by side.
         text += f"\ninitial_worker_port={self.worker_port}\n"
+        # gRPC cannot be switched off in TorchServe 0.12: give it free ports too.
+        text += f"grpc_inference_port={free_port()}\ngrpc_management_port={free_port()}\n"
         path = self.workdir / "config.properties"
         path.write_text(text)
         return path
