@@ -73,14 +73,13 @@ RUN python /opt/llava-sessions/base_constraints.py > /opt/llava-sessions/constra
 #     short for reading LLaVA's weights from disk onto the GPU.
 #   TS_MAX_REQUEST_SIZE / TS_MAX_RESPONSE_SIZE: SageMaker's 6 MiB body limit, so that the container
 #     accepts everything the endpoint can deliver, and a local run rejects what SageMaker would.
-#   LLAVA_SESSION_TTL_S: idle seconds before a session expires (1200 s, as AWS containers use).
-#   LLAVA_SESSION_HEADER: the request header that carries the session id on SageMaker.
+#   LLAVA_SESSION_TTL_S: idle seconds before a session expires (1200 s, as AWS containers use);
+#     every handler setting of model-config.yaml has such an LLAVA_<NAME> override.
 ENV TS_DEFAULT_RESPONSE_TIMEOUT=300 \
     TS_DEFAULT_STARTUP_TIMEOUT=600 \
     TS_MAX_REQUEST_SIZE=6291456 \
     TS_MAX_RESPONSE_SIZE=6291456 \
     LLAVA_SESSION_TTL_S=1200 \
-    LLAVA_SESSION_HEADER=X-Amzn-SageMaker-Session-Id \
     PIP_CONSTRAINT=/opt/llava-sessions/constraints.txt
 
 # No ENTRYPOINT/CMD: SageMaker runs `docker run IMAGE serve`, and the DLC's entrypoint turns `serve`
