@@ -37,8 +37,8 @@ stop:
 	$(BIN)/torchserve --stop
 
 lint: venv
-	$(BIN)/ruff format --check llava handler tests bench
-	$(BIN)/ruff check llava handler tests bench
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
 
 test: venv lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider
