@@ -6,13 +6,29 @@ MODEL  ?= tiny
 NAME   ?= llava
 STORE  ?= model-store
 TORCH_VERSION ?= 2.13.0
+# SageMaker: make build-and-push, then make deploy IMAGE_URI=... ROLE_ARN=... BUCKET=...
+REPOSITORY     ?= llava-sessions
+TAG            ?=
+IMAGE_URI      ?=
+ROLE_ARN       ?=
+BUCKET         ?=
+PREFIX         ?=
+ENDPOINT       ?= llava
+INSTANCE_TYPE  ?= ml.g5.2xlarge
+INSTANCE_COUNT ?= 1
+DEPLOY_FLAGS   ?=
+S3_URI         ?=
+ECR_REPOSITORY ?=
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: help venv dev archive serve stop test lint clean
+.PHONY: help venv dev archive serve stop test lint clean build-and-push deploy delete
 
 help:
 	@echo "make serve   build the model archive and serve it on 127.0.0.1:8080 (MODEL=$(MODEL))"
 	@echo "make test    run the whole test suite"
+	@echo "make build-and-push      build the SageMaker image, push it to ECR (REPOSITORY=$(REPOSITORY))"
+	@echo "make deploy IMAGE_URI=... ROLE_ARN=... BUCKET=...   upload MODEL=$(MODEL), deploy endpoint $(ENDPOINT)"
+	@echo "make delete [S3_URI=...] [ECR_REPOSITORY=...]       delete endpoint $(ENDPOINT)"
 
 # torch first, from the pinned CPU wheel: letting pip resolve it pulls a multi-GB CUDA build.
 $(BIN)/.installed: pyproject.toml
@@ -42,6 +58,21 @@ lint: venv
 
 test: venv lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+build-and-push:
+	./build_and_push.sh $(REPOSITORY) $(TAG)
+
+deploy: venv
+	@test -n "$(IMAGE_URI)" || { echo "set IMAGE_URI= to the image URI printed by make build-and-push"; exit 1; }
+	@test -n "$(ROLE_ARN)" || { echo "set ROLE_ARN=arn:aws:iam::<account>:role/<SageMaker execution role>"; exit 1; }
+	$(BIN)/python -m llava deploy --image-uri $(IMAGE_URI) --role-arn $(ROLE_ARN) \
+		$(if $(BUCKET),--bucket $(BUCKET)) $(if $(PREFIX),--prefix $(PREFIX)) \
+		--model $(MODEL) --name $(ENDPOINT) --instance-type $(INSTANCE_TYPE) \
+		--instance-count $(INSTANCE_COUNT) $(DEPLOY_FLAGS)
+
+delete: venv
+	$(BIN)/python -m llava delete --name $(ENDPOINT) $(if $(S3_URI),--s3-uri $(S3_URI)) \
+		$(if $(ECR_REPOSITORY),--ecr-repository $(ECR_REPOSITORY))
 
 clean:
 	rm -rf build logs $(STORE)/* key_file.json

@@ -20,6 +20,18 @@ def _build_tiny(args: argparse.Namespace) -> None:
     print(build_checkpoint(args.out, profile=args.profile, seed=args.seed, overwrite=True))
 
 
+def _deploy(args: argparse.Namespace) -> None:
+    from llava.deploy import run_deploy
+
+    run_deploy(args)
+
+
+def _delete(args: argparse.Namespace) -> None:
+    from llava.deploy import run_delete
+
+    run_delete(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Describe every command and its options."""
     parser = argparse.ArgumentParser(prog="python -m llava", description=__doc__)
@@ -43,6 +55,15 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--profile", default="tiny", choices=["tiny", "llava15"])
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(run=_build_tiny)
+
+    from llava.deploy import add_delete_arguments, add_deploy_arguments
+
+    deploy = commands.add_parser("deploy", help="upload the archive and deploy to SageMaker")
+    add_deploy_arguments(deploy)
+    deploy.set_defaults(run=_deploy)
+    delete = commands.add_parser("delete", help="delete a SageMaker deployment")
+    add_delete_arguments(delete)
+    delete.set_defaults(run=_delete)
     return parser
 
 
