@@ -21,11 +21,12 @@ S3_URI         ?=
 ECR_REPOSITORY ?=
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: help venv dev archive serve stop test lint clean build-and-push deploy delete
+.PHONY: help venv dev archive serve stop test lint clean build-and-push deploy delete local-endpoint
 
 help:
 	@echo "make serve   build the model archive and serve it on 127.0.0.1:8080 (MODEL=$(MODEL))"
 	@echo "make test    run the whole test suite"
+	@echo "make local-endpoint      a local SageMaker runtime on 127.0.0.1:8090 in front of 2 TorchServes"
 	@echo "make build-and-push      build the SageMaker image, push it to ECR (REPOSITORY=$(REPOSITORY))"
 	@echo "make deploy IMAGE_URI=... ROLE_ARN=... BUCKET=...   upload MODEL=$(MODEL), deploy endpoint $(ENDPOINT)"
 	@echo "make delete [S3_URI=...] [ECR_REPOSITORY=...]       delete endpoint $(ENDPOINT)"
@@ -47,7 +48,10 @@ archive: venv
 serve: archive
 	@$(BIN)/python -m llava.quickstart --name $(NAME)
 	$(BIN)/torchserve --start --foreground --ncs --disable-token-auth \
-		--ts-config config.properties --model-store $(STORE) --models $(NAME)=$(NAME)
+		--ts-config config.properties --model-store $(abspath $(STORE)) --models $(NAME)=$(NAME)
+
+local-endpoint: archive
+	$(BIN)/python -m llava local-endpoint --model-store $(STORE) --model $(NAME)
 
 stop:
 	$(BIN)/torchserve --stop

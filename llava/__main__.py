@@ -20,6 +20,19 @@ def _build_tiny(args: argparse.Namespace) -> None:
     print(build_checkpoint(args.out, profile=args.profile, seed=args.seed, overwrite=True))
 
 
+def _local_endpoint(args: argparse.Namespace) -> None:
+    from llava.local_runtime import serve
+
+    serve(
+        host=args.host,
+        port=args.port,
+        name=args.name,
+        instances=args.instances,
+        model_store=args.model_store,
+        model=args.model,
+    )
+
+
 def _deploy(args: argparse.Namespace) -> None:
     from llava.deploy import run_deploy
 
@@ -55,6 +68,18 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--profile", default="tiny", choices=["tiny", "llava15"])
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(run=_build_tiny)
+
+    local = commands.add_parser(
+        "local-endpoint",
+        help="a local SageMaker runtime (sticky sessions, streaming) in front of N TorchServes",
+    )
+    local.add_argument("--host", default="127.0.0.1")
+    local.add_argument("--port", type=int, default=8090)
+    local.add_argument("--name", default="llava", help="endpoint name (EndpointName)")
+    local.add_argument("--instances", type=int, default=2, help="TorchServe instances")
+    local.add_argument("--model-store", default="model-store")
+    local.add_argument("--model", default="llava", help="model name in the model store")
+    local.set_defaults(run=_local_endpoint)
 
     from llava.deploy import add_delete_arguments, add_deploy_arguments
 
