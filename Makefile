@@ -48,7 +48,7 @@ archive: venv
 serve: archive
 	@$(BIN)/python -m llava.quickstart --name $(NAME)
 	$(BIN)/torchserve --start --foreground --ncs --disable-token-auth \
-		--ts-config config.properties --model-store $(abspath $(STORE)) --models $(NAME)=$(NAME)
+		--ts-config config.properties --model-store $(abspath $(STORE)) --models $(NAME)=$(abspath $(STORE))/$(NAME)
 
 local-endpoint: archive
 	$(BIN)/python -m llava local-endpoint --model-store $(STORE) --model $(NAME)
