@@ -18,7 +18,8 @@ from llava.protocol import Limits
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 # Numeric settings where 0 means "unset"; every other number must be positive.
-_ZERO_ALLOWED = {"max_replicas", "session_budget_mb", "max_context_tokens"}
+_ZERO_ALLOWED = {"max_replicas", "device_budget_mb", "host_budget_mb", "max_context_tokens"}
+CACHE_MODES = ("kv", "pixels")
 ENV_PREFIX = "LLAVA_"
 
 
@@ -34,7 +35,12 @@ class ServerConfig:
     # Sessions
     session_ttl_s: float = 1200.0
     max_sessions: int = 64
-    session_budget_mb: int = 0  # bytes of session state per worker (0 = no budget)
+    # Memory tiers (0 = no budget): past the device budget the least recently used sessions'
+    # caches move to host memory; past the host budget they keep only their image features
+    # (recomputed on their next turn); past that they are evicted.
+    device_budget_mb: int = 0
+    host_budget_mb: int = 0
+    cache_mode: str = "kv"  # "kv": per-session KV cache; "pixels": the reference design
     reaper_interval_s: float = 5.0
     # Requests
     max_body_bytes: int = 6 * 1024 * 1024
@@ -54,6 +60,10 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.cache_mode not in CACHE_MODES:
+            raise ValueError(
+                f"cache_mode {self.cache_mode!r} is not one of {', '.join(CACHE_MODES)}"
+            )
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device {self.device!r}: use auto, cpu, cuda or cuda:N")
         for f in fields(self):
@@ -78,8 +88,12 @@ class ServerConfig:
         )
 
     @property
-    def session_budget_bytes(self) -> int | None:
-        return self.session_budget_mb * 1024 * 1024 if self.session_budget_mb else None
+    def device_budget_bytes(self) -> int | None:
+        return self.device_budget_mb * 1024 * 1024 if self.device_budget_mb else None
+
+    @property
+    def host_budget_bytes(self) -> int | None:
+        return self.host_budget_mb * 1024 * 1024 if self.host_budget_mb else None
 
     @classmethod
     def from_mapping(

@@ -79,13 +79,29 @@ class Query:
 
 
 @dataclass(frozen=True)
+class Generate:
+    """Answer one question about an image without a session: nothing is kept afterwards.
+
+    `history` replays earlier (question, answer) pairs, so a client can hold the conversation
+    itself; every request then pays for the whole image and conversation again.
+    """
+
+    image: str = field(repr=False)
+    prompt: str = field(repr=False)
+    system_prompt: str | None = None
+    history: tuple[tuple[str, str], ...] = ()
+    params: GenerationParams = GenerationParams()
+    stream: bool = False
+
+
+@dataclass(frozen=True)
 class CloseSession:
     """Free the session's memory."""
 
     session_id: str
 
 
-Request = OpenSession | Query | CloseSession
+Request = OpenSession | Query | CloseSession | Generate
 
 
 def header(headers: Mapping[str, Any], name: str) -> str | None:
@@ -103,12 +119,14 @@ def parse_request(body: Any, headers: Mapping[str, Any], limits: Limits = Limits
     kind = obj.get("type")
     if kind is None:
         raise InvalidRequest(
-            'missing "type": use "open_session", "query" or "close_session"', field="type"
+            'missing "type": use "open_session", "query", "close_session" or "generate"',
+            field="type",
         )
     parser = _PARSERS.get(kind) if isinstance(kind, str) else None
     if parser is None:
         raise InvalidRequest(
-            f'unknown "type" {str(kind)[:40]!r}: use "open_session", "query" or "close_session"',
+            f'unknown "type" {str(kind)[:40]!r}: use "open_session", "query", '
+            '"close_session" or "generate"',
             field="type",
         )
     return parser(obj, _session_id(obj, headers), limits)
@@ -230,16 +248,60 @@ def _require_session(sid: str | None, kind: str) -> str:
     return sid
 
 
+_GENERATION_FIELDS = {"prompt", "max_new_tokens", "temperature", "top_p", "seed", "stream"}
+MAX_REPLAYED_TURNS = 64
+
+
 def _parse_query(obj: Mapping[str, Any], sid: str | None, limits: Limits) -> Query:
-    _check_fields(
-        obj, {"prompt", "max_new_tokens", "temperature", "top_p", "seed", "stream", "history"}
-    )
+    _check_fields(obj, _GENERATION_FIELDS | {"history"})
     sid = _require_session(sid, "query")
-    prompt = _text(obj, "prompt", limits.max_prompt_chars, required=True)
+    return Query(
+        session_id=sid,
+        prompt=_text(obj, "prompt", limits.max_prompt_chars, required=True),
+        params=_params(obj, limits),
+        stream=_flag(obj, "stream", False),
+        history=_flag(obj, "history", True),
+    )
+
+
+def _parse_generate(obj: Mapping[str, Any], sid: str | None, limits: Limits) -> Generate:
+    _check_fields(obj, _GENERATION_FIELDS | {"image", "system_prompt", "history"})
+    if sid is not None:
+        raise InvalidRequest('"generate" uses no session: send no session id', field="session_id")
+    return Generate(
+        image=_text(obj, "image", limits.max_body_bytes, required=True),
+        prompt=_text(obj, "prompt", limits.max_prompt_chars, required=True),
+        system_prompt=_text(obj, "system_prompt", limits.max_system_prompt_chars, required=False),
+        history=_history(obj, limits),
+        params=_params(obj, limits),
+        stream=_flag(obj, "stream", False),
+    )
+
+
+def _history(obj: Mapping[str, Any], limits: Limits) -> tuple[tuple[str, str], ...]:
+    value = obj.get("history", [])
+    problem = '"history" must be a list of [question, answer] string pairs'
+    if not isinstance(value, list):
+        raise InvalidRequest(problem, field="history")
+    if len(value) > MAX_REPLAYED_TURNS:
+        raise InvalidRequest(f'"history" has more than {MAX_REPLAYED_TURNS} turns', field="history")
+    pairs = []
+    for pair in value:
+        if not (
+            isinstance(pair, list)
+            and len(pair) == 2
+            and all(isinstance(x, str) and len(x) <= limits.max_prompt_chars for x in pair)
+        ):
+            raise InvalidRequest(problem, field="history")
+        pairs.append((pair[0], pair[1]))
+    return tuple(pairs)
+
+
+def _params(obj: Mapping[str, Any], limits: Limits) -> GenerationParams:
     seed = obj.get("seed")
     if seed is not None:
         seed = _number(obj, "seed", 0, 0, 2**63 - 1, integer=True)
-    params = GenerationParams(
+    return GenerationParams(
         max_new_tokens=_number(
             obj,
             "max_new_tokens",
@@ -252,13 +314,6 @@ def _parse_query(obj: Mapping[str, Any], sid: str | None, limits: Limits) -> Que
         top_p=float(_number(obj, "top_p", 1.0, 1e-6, 1.0, integer=False)),
         seed=seed,
     )
-    return Query(
-        session_id=sid,
-        prompt=prompt,
-        params=params,
-        stream=_flag(obj, "stream", False),
-        history=_flag(obj, "history", True),
-    )
 
 
 def _parse_close(obj: Mapping[str, Any], sid: str | None, limits: Limits) -> CloseSession:
@@ -266,7 +321,12 @@ def _parse_close(obj: Mapping[str, Any], sid: str | None, limits: Limits) -> Clo
     return CloseSession(session_id=_require_session(sid, "close_session"))
 
 
-_PARSERS = {"open_session": _parse_open, "query": _parse_query, "close_session": _parse_close}
+_PARSERS = {
+    "open_session": _parse_open,
+    "query": _parse_query,
+    "close_session": _parse_close,
+    "generate": _parse_generate,
+}
 
 
 def expires_header(session_id: str, expires_at: float) -> str:

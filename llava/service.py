@@ -28,6 +28,7 @@ from llava.protocol import (
     SESSION_HEADER,
     STREAM_CONTENT_TYPE,
     CloseSession,
+    Generate,
     GenerationParams,
     Limits,
     OpenSession,
@@ -88,16 +89,17 @@ class Reply:
 
 @dataclass(eq=False)
 class _Opening:
-    slot: Slot
-    request: OpenSession
+    request: OpenSession | Generate
     image: Future
+    slot: Slot | None = None  # None for a one-shot generate, which holds no session
 
 
 @dataclass(eq=False)
 class _Answering:
     session: Session
-    query: Query
     turn: Any
+    stream: bool
+    transient: bool = False  # a one-shot generate: its state is dropped at the end
     streaming: bool = False  # the HTTP head has gone out
 
 
@@ -157,7 +159,9 @@ class SessionService:
         self._wait_if_idle(replies)
         for request_id, work in list(self._work.items()):
             if isinstance(work, _Opening) and work.image.done():
-                replies[request_id] = self._finish_open(request_id, work)
+                reply = self._finish_open(request_id, work)
+                if reply is not None:
+                    replies[request_id] = reply
         replies.update(self._advance_answers())
         return [replies.get(item.request_id) for item in batch]
 
@@ -172,6 +176,9 @@ class SessionService:
 
     def _admit(self, item: Incoming) -> Reply | None:
         request = parse_request(item.body, item.headers, self.limits)
+        if isinstance(request, Generate):
+            self._work[item.request_id] = _Opening(request, self._fetch(request.image))
+            return None
         if isinstance(request, OpenSession):
             slot = self.store.reserve()
             try:
@@ -179,7 +186,7 @@ class SessionService:
             except BaseException:
                 self.store.cancel(slot)
                 raise
-            self._work[item.request_id] = _Opening(slot, request, image)
+            self._work[item.request_id] = _Opening(request, image, slot)
             return None
         if isinstance(request, Query):
             session = self.store.begin_turn(request.session_id)
@@ -190,7 +197,7 @@ class SessionService:
             except BaseException:
                 self.store.end_turn(session)
                 raise
-            self._work[item.request_id] = _Answering(session, request, turn)
+            self._work[item.request_id] = _Answering(session, turn, request.stream)
             return None
         assert isinstance(request, CloseSession)
         session = self.store.close(request.session_id)
@@ -215,20 +222,36 @@ class SessionService:
             wait(pending, timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
 
     # -- opening ---------------------------------------------------------------------------
-    def _finish_open(self, request_id: str, work: _Opening) -> Reply:
+    def _finish_open(self, request_id: str, work: _Opening) -> Reply | None:
         del self._work[request_id]
+        if isinstance(work.request, Generate):
+            return self._guard(lambda _: self._start_generate(request_id, work), None)
         try:
             state = self.engine.open_session(work.image.result(), work.request.system_prompt)
             session = self.store.add(work.slot, state, state.nbytes)
         except BaseException as exc:
             self.store.cancel(work.slot)
             return error_reply(exc if isinstance(exc, KitError) else internal_error(exc))
+
         expires = self.store.expires_at(session)
         value = expires_header(session.id, expires)
         return Reply(
             _json({"session_id": session.id, "expires_at": iso_utc(expires)}),
             headers={NEW_SESSION_HEADER: value, SESSION_HEADER: value},
         )
+
+    def _start_generate(self, request_id: str, work: _Opening) -> None:
+        """Turn a one-shot generate whose image arrived into an answer with a transient state."""
+        request = work.request
+        state = self.engine.open_session(work.image.result(), request.system_prompt, prefill=False)
+        try:
+            self.engine.replay(state, list(request.history))
+            turn = self.engine.start_turn(state, request.prompt, request.params)
+        except BaseException:
+            self.engine.release(state)
+            raise
+        session = Session("", state, 0, 0.0, busy=True)
+        self._work[request_id] = _Answering(session, turn, request.stream, transient=True)
 
     # -- answering -------------------------------------------------------------------------
     def _advance_answers(self) -> dict[str, Reply]:
@@ -256,7 +279,7 @@ class SessionService:
         return replies
 
     def _chunk(self, work: _Answering) -> Reply | None:
-        if not work.query.stream or not work.turn.delta:
+        if not work.stream or not work.turn.delta:
             return None  # nothing new to send: stay in the batch silently
         return self._stream_reply(work, stream_line({"text": work.turn.delta}), last=False)
 
@@ -273,15 +296,24 @@ class SessionService:
         try:
             self.engine.finish_turn(turn)
         finally:
-            self.store.end_turn(work.session, self._nbytes(work.session))
+            self._end_turn(work)
         usage = turn.usage()
-        if work.query.stream:
+        if work.stream:
             body = b""
             if turn.delta:
                 body += stream_line({"text": turn.delta})
             body += stream_line({"usage": usage, "finish_reason": turn.finish_reason})
             return self._stream_reply(work, body, last=True)
-        return Reply(_json({"session_id": work.session.id, "text": turn.text, "usage": usage}))
+        body = {"text": turn.text, "usage": usage}
+        if not work.transient:
+            body = {"session_id": work.session.id, **body}
+        return Reply(_json(body))
+
+    def _end_turn(self, work: _Answering) -> None:
+        if work.transient:
+            self.engine.release(work.session.state)
+        else:
+            self.store.end_turn(work.session, self._nbytes(work.session))
 
     def _fail_answer(self, request_id: str, work: _Answering, exc: BaseException) -> Reply:
         self._drop_answer(request_id, work)
@@ -299,9 +331,10 @@ class SessionService:
             self.engine.abort_turn(work.turn)
         except Exception as exc:  # the cache may be inconsistent: the session cannot go on
             internal_error(exc)
-            self.store.end(work.session, LOST)
+            if not work.transient:
+                self.store.end(work.session, LOST)
         finally:
-            self.store.end_turn(work.session, self._nbytes(work.session))
+            self._end_turn(work)
 
     def _abandon(self, request_id: str) -> None:
         """Roll back a request whose client went away."""
@@ -313,7 +346,8 @@ class SessionService:
             elif isinstance(work, _Opening):
                 del self._work[request_id]
                 work.image.cancel()
-                self.store.cancel(work.slot)
+                if work.slot is not None:
+                    self.store.cancel(work.slot)
         except Exception as exc:
             internal_error(exc)
 

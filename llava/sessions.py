@@ -1,10 +1,14 @@
-"""The session store: ids, idle TTL, a session cap, a memory budget with LRU eviction.
+"""The session store: ids, idle TTL, a session cap, and a memory policy over idle sessions.
 
 The store knows nothing about tensors: each session carries an opaque engine `state` and the
 byte count the engine reports for it; `release(session, reason)` is the engine's hook to free
-that state. A background reaper frees idle sessions on time, without waiting for traffic.
+that state, and a `MemoryPolicy` decides, least recently used first, which idle sessions shrink
+or go when memory is short (`ByteBudget` simply evicts; the engine's tiered policy first moves
+caches to host memory). A background reaper frees idle sessions on time, without waiting for
+traffic.
 
-    store = SessionStore(ttl_s=1200, max_sessions=64, budget_bytes=8 << 30, release=engine.release)
+    store = SessionStore(ttl_s=1200, max_sessions=64, memory=ByteBudget(8 << 30),
+                         release=engine.release)
     slot = store.reserve()                  # 429 when full, before any work is done
     session = store.add(slot, state, nbytes)
     with store.turn(session.id) as s: ...   # marks it busy; a busy session is never evicted
@@ -21,7 +25,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from llava.errors import (
     CapacityExceeded,
@@ -63,6 +67,40 @@ class Session:
     info: dict[str, Any] = field(default_factory=dict)
 
 
+class MemoryPolicy(Protocol):
+    """Fit the sessions into memory by shrinking or choosing idle ones to evict."""
+
+    def rebalance(self, sessions: list[Session], keep: str | None) -> list[Session]:
+        """Shrink idle sessions (least recently used first); return those to evict.
+
+        `sessions` are all open sessions, least recently used first; busy or closing ones and
+        `keep` (the session just used) must not be touched. Update each `nbytes` you change.
+        """
+        ...
+
+
+class ByteBudget:
+    """Evict the least recently used idle sessions while the total exceeds `budget_bytes`."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget_bytes = budget_bytes
+
+    def rebalance(self, sessions: list[Session], keep: str | None) -> list[Session]:
+        total = sum(s.nbytes for s in sessions)
+        victims = []
+        for session in idle_sessions(sessions, keep):
+            if total <= self.budget_bytes:
+                break
+            total -= session.nbytes
+            victims.append(session)
+        return victims
+
+
+def idle_sessions(sessions: list[Session], keep: str | None) -> list[Session]:
+    """Return the sessions a memory policy may shrink or evict, in the order given."""
+    return [s for s in sessions if not s.busy and not s.closing and s.id != keep]
+
+
 @dataclass(frozen=True)
 class Slot:
     """A reserved place for a session being opened (its image may still be loading)."""
@@ -78,6 +116,7 @@ class SessionStore:
         *,
         ttl_s: float = 1200.0,
         max_sessions: int = 64,
+        memory: MemoryPolicy | None = None,
         budget_bytes: int | None = None,
         release: Callable[[Session, str], None] = lambda session, reason: None,
         clock: Callable[[], float] = time.monotonic,
@@ -87,7 +126,9 @@ class SessionStore:
             raise ValueError("ttl_s and max_sessions must be positive")
         self.ttl_s = ttl_s
         self.max_sessions = max_sessions
-        self.budget_bytes = budget_bytes
+        if memory is None and budget_bytes is not None:
+            memory = ByteBudget(budget_bytes)
+        self.memory = memory
         self._release = release
         self._clock = clock
         self._wall_clock = wall_clock
@@ -237,6 +278,11 @@ class SessionStore:
                 "bytes": sum(s.nbytes for s in self._sessions.values()),
             }
 
+    def snapshot(self) -> list[Session]:
+        """Return the open sessions, least recently used first."""
+        with self._lock:
+            return list(self._sessions.values())
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._sessions)
@@ -279,16 +325,14 @@ class SessionStore:
             self._ended.popitem(last=False)
 
     def _enforce_budget(self, keep: str) -> None:
-        if self.budget_bytes is None:
+        if self.memory is None:
             return
-        total = sum(s.nbytes for s in self._sessions.values())
-        for session in list(self._sessions.values()):
-            if total <= self.budget_bytes:
-                return
+        for session in self.memory.rebalance(list(self._sessions.values()), keep):
             if session.busy or session.id == keep or session.closing:
-                continue
-            total -= session.nbytes
+                continue  # a policy must not take these; refuse quietly rather than break them
             log.info(
-                "evicting session %s (%d bytes) over the memory budget", session.id, session.nbytes
+                "evicting session %s (%d bytes) to stay within the memory budget",
+                session.id,
+                session.nbytes,
             )
             self._end(session, EVICTED)

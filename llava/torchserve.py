@@ -44,10 +44,13 @@ class SessionHandler:
     def __init__(self) -> None:
         self.service: SessionService | None = None
         self.config: ServerConfig | None = None
+        self.memory: Any = None
+        self._last_tiers: dict[str, Any] | None = None
 
     def initialize(self, context: Any) -> None:
         """Build config, engine, session store and image loader from the model archive."""
         from llava.engine import LlavaEngine  # torch is imported here, never at module import
+        from llava.engine.memory import TieredMemory
         from llava.images import ImageLoader, ImagePolicy
         from llava.sessions import SessionStore
 
@@ -55,10 +58,11 @@ class SessionHandler:
         section = (getattr(context, "model_yaml_config", None) or {}).get("handler")
         self.config = config = ServerConfig.from_mapping(section, os.environ)
         engine = LlavaEngine.load(model_dir, config)
+        self.memory = TieredMemory(engine, config.device_budget_bytes, config.host_budget_bytes)
         store = SessionStore(
             ttl_s=config.session_ttl_s,
             max_sessions=config.max_sessions,
-            budget_bytes=config.session_budget_bytes,
+            memory=self.memory,
             release=lambda session, reason: engine.release(session.state),
         )
         store.start_reaper(config.reaper_interval_s)
@@ -90,7 +94,41 @@ class SessionHandler:
             replies = self.service.step(batch)
         except Exception as exc:  # a bug above the per-request guards: still answer each one
             replies = [error_reply(internal_error(exc))] * len(data)
+        self._report_memory(context)
         return self._emit(replies, context)
+
+    def _report_memory(self, context: Any) -> None:
+        """Publish sessions and bytes per memory tier as TorchServe gauges when they change."""
+        metrics = getattr(context, "metrics", None)
+        if self.memory is None or metrics is None:
+            return
+        try:
+            from ts.metrics.dimension import Dimension
+            from ts.metrics.metric_type_enum import MetricTypes
+
+            tiers = self.memory.tiers(self.service.store.snapshot())
+            if tiers == self._last_tiers:
+                return
+            self._last_tiers = tiers
+            for tier, figures in tiers.items():
+                dims = [Dimension("Tier", tier)]
+                metrics.add_metric(
+                    "LlavaSessions",
+                    figures["sessions"],
+                    "count",
+                    dimensions=dims,
+                    metric_type=MetricTypes.GAUGE,
+                )
+                for kind in ("device_bytes", "host_bytes"):
+                    metrics.add_metric(
+                        f"LlavaSession{kind.title().replace('_', '')}",
+                        figures[kind],
+                        "B",
+                        dimensions=dims,
+                        metric_type=MetricTypes.GAUGE,
+                    )
+        except Exception:  # metrics must never cost a request its answer
+            log.warning("could not publish session metrics", exc_info=True)
 
     @staticmethod
     def _emit(replies: list[Reply | None], context: Any) -> list[Any]:

@@ -1,5 +1,6 @@
 """The model engine: the only layer that imports torch and transformers."""
 
-from llava.engine.engine import LlavaEngine, SessionState, Turn
+from llava.engine.engine import LlavaEngine
+from llava.engine.state import SessionState, Tier, Turn
 
-__all__ = ["LlavaEngine", "SessionState", "Turn"]
+__all__ = ["LlavaEngine", "SessionState", "Tier", "Turn"]

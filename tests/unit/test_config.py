@@ -19,7 +19,7 @@ handler:
   dtype: bfloat16
   max_sessions: 16
   session_ttl_s: 600
-  session_budget_mb: 2048
+  device_budget_mb: 2048
   max_new_tokens: 512
   default_max_new_tokens: 128
   image_allow_http: true
@@ -36,7 +36,7 @@ def test_defaults_are_valid() -> None:
     config = ServerConfig()
     assert config.device == "auto"
     assert config.dtype in DTYPES
-    assert config.session_budget_bytes is None
+    assert config.device_budget_bytes is None and config.host_budget_bytes is None
     assert ServerConfig.from_mapping(None, {}) == config
     assert ServerConfig.from_mapping({}, {}) == config
 
@@ -48,7 +48,7 @@ def test_from_mapping_reads_a_yaml_handler_section() -> None:
     assert config.dtype == "bfloat16"
     assert config.max_sessions == 16
     assert config.session_ttl_s == 600.0 and isinstance(config.session_ttl_s, float)
-    assert config.session_budget_bytes == 2048 * 1024 * 1024
+    assert config.device_budget_bytes == 2048 * 1024 * 1024
     assert config.max_new_tokens == 512
     assert config.default_max_new_tokens == 128
     assert config.image_allow_http is True
@@ -203,6 +203,6 @@ def test_limits_property_carries_the_request_limits() -> None:
     assert limits.max_system_prompt_chars == Limits().max_system_prompt_chars
 
 
-def test_session_budget_mb_becomes_bytes() -> None:
-    assert ServerConfig(session_budget_mb=3).session_budget_bytes == 3 * 1024 * 1024
-    assert ServerConfig(session_budget_mb=0).session_budget_bytes is None
+def test_budgets_in_mb_become_bytes() -> None:
+    assert ServerConfig(host_budget_mb=3).host_budget_bytes == 3 * 1024 * 1024
+    assert ServerConfig(device_budget_mb=0).device_budget_bytes is None

@@ -1,0 +1,85 @@
+"""Advance many answers with one forward pass: their caches stacked into one batch.
+
+Each answer keeps its own KV cache between steps. While the set of answers decoding on a replica
+stays the same, their caches live stacked in one `DecodeBatch` (left-padded to the longest, with
+a 2-D attention mask and each row's true position in `position_ids`, without which RoPE would
+give padded rows wrong positions). When the set changes the batch is split back into the
+answers' own caches and restacked: a copy per membership change, not per step.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from llava.engine.state import Turn
+
+
+class DecodeBatch:
+    """Several turns' caches stacked so that one forward advances all of them by a token."""
+
+    def __init__(self, turns: list[Turn]) -> None:
+        self.turns = list(turns)
+        self._lengths = [t.cache.get_seq_length() for t in turns]
+        width = max(self._lengths)
+        self._pad = [width - n for n in self._lengths]
+        self._steps = 0
+        self.cache = DynamicCache()
+        for layer_idx in range(len(turns[0].cache.layers)):
+            keys = self._stack([t.cache.layers[layer_idx].keys for t in turns], width)
+            values = self._stack([t.cache.layers[layer_idx].values for t in turns], width)
+            layer = DynamicLayer()
+            layer.lazy_initialization(keys, values)
+            layer.keys, layer.values = keys, values
+            self.cache.layers.append(layer)
+        device = turns[0].cache.layers[0].keys.device
+        self._mask = torch.zeros(len(turns), width, dtype=torch.long, device=device)
+        for row, pad in enumerate(self._pad):
+            self._mask[row, pad:] = 1
+        self._positions = torch.tensor(self._lengths, device=device)
+
+    def _stack(self, tensors: list[torch.Tensor], width: int) -> torch.Tensor:
+        first = tensors[0]
+        out = first.new_zeros((len(tensors), first.shape[1], width, first.shape[3]))
+        for row, tensor in enumerate(tensors):
+            out[row, :, width - tensor.shape[2] :] = tensor[0]
+        return out
+
+    def same_members(self, turns: list[Turn]) -> bool:
+        """Tell whether this batch holds exactly `turns`, in order."""
+        return len(turns) == len(self.turns) and all(
+            a is b for a, b in zip(turns, self.turns, strict=True)
+        )
+
+    def forward(self, model: torch.nn.Module) -> torch.Tensor:
+        """Feed each turn's pending token; return next-token logits, one row per turn."""
+        device = self._mask.device
+        input_ids = torch.tensor([t.pending for t in self.turns], device=device)
+        mask = torch.cat([self._mask, self._mask.new_ones((len(self.turns), 1))], dim=1)
+        out = model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=self._positions[:, None],
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self._mask = mask
+        self._positions = self._positions + 1
+        self._steps += 1
+        return out.logits[:, -1]
+
+    def unstack(self) -> None:
+        """Give every turn its own cache back, without padding and with the steps taken here.
+
+        Safe after a failed forward too: each row is cut to the length of the completed steps,
+        whatever a half-finished forward appended to some layers.
+        """
+        for row, turn in enumerate(self.turns):
+            start = self._pad[row]
+            stop = start + self._lengths[row] + self._steps
+            for batched, own in zip(self.cache.layers, turn.cache.layers, strict=True):
+                own.keys = batched.keys[row : row + 1, :, start:stop].clone()
+                own.values = batched.values[row : row + 1, :, start:stop].clone()
+        self.turns = []

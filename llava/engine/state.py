@@ -1,0 +1,139 @@
+"""What the engine keeps per replica, per session and per answer being generated."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from llava.engine.sampling import Detokenizer
+from llava.protocol import GenerationParams
+
+
+class Tier(str, Enum):
+    """Where a session's state lives; each step down frees memory and costs a little latency."""
+
+    DEVICE = "device"  # KV cache on the replica's device: the next turn prefills only itself
+    HOST = "host"  # KV cache in host memory: copied back on the next turn
+    FEATURES = "features"  # only the image features: the prefix is recomputed on the next turn
+
+
+@dataclass(eq=False)
+class Replica:
+    """One copy of the model on one device; sessions are pinned to a replica."""
+
+    model: Any
+    device: torch.device
+    sessions: int = 0
+
+
+def tensor_bytes(tensors: Any) -> int:
+    """Count the bytes of an iterable of tensors (None entries are skipped)."""
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def cache_tensors(cache: DynamicCache | None) -> list[torch.Tensor]:
+    """List a cache's key and value tensors."""
+    if cache is None:
+        return []
+    return [
+        t
+        for layer in cache.layers
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+        if t is not None and t.numel()
+    ]
+
+
+@dataclass(eq=False)
+class SessionState:
+    """A session's conversation as token ids, plus what is cached of it.
+
+    `cache` holds the keys/values of `token_ids[:cached]` (None in the FEATURES tier or in the
+    reference `pixels` mode); `features` are the projected image features, kept in host memory
+    so the prefix can always be recomputed; `pixel_values` are kept only in `pixels` mode.
+    """
+
+    replica: Replica
+    system_prompt: str | None
+    token_ids: list[int]  # the main line of the conversation, image tokens expanded
+    prefix_len: int  # system prompt + image: where a history-free branch starts
+    features: torch.Tensor | None  # [image_tokens, hidden] in host memory (kv mode)
+    cache: DynamicCache | None = None
+    tier: Tier = Tier.DEVICE
+    pixel_values: torch.Tensor | None = None
+    history: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def cached(self) -> int:
+        return self.cache.get_seq_length() if self.cache is not None else 0
+
+    @property
+    def cache_bytes(self) -> int:
+        return tensor_bytes(cache_tensors(self.cache))
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes held on the replica's device (the cache, or the pixels in pixels mode)."""
+        cache = self.cache_bytes if self.tier is Tier.DEVICE else 0
+        return cache + tensor_bytes([self.pixel_values])
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes held in host memory (an offloaded cache, the image features)."""
+        offloaded = self.cache_bytes if self.tier is Tier.HOST else 0
+        return offloaded + tensor_bytes([self.features])
+
+    @property
+    def nbytes(self) -> int:
+        return self.device_bytes + self.host_bytes
+
+
+@dataclass(eq=False)
+class Turn:
+    """One answer being generated; each engine step advances it by one token."""
+
+    state: SessionState
+    prompt: str
+    params: GenerationParams
+    branch: bool  # history=False: answer from the image alone, leave the main line untouched
+    cache: DynamicCache
+    start_len: int  # cache length before this turn, to roll back on failure
+    pending: list[int]  # ids to feed on the next forward
+    new_ids: list[int]  # ids this turn adds to the conversation before the answer
+    max_new_tokens: int
+    detokenizer: Detokenizer
+    generator: torch.Generator | None
+    found_in: Tier  # where the session's state was when the question came
+    generated: list[int] = field(default_factory=list)
+    text: str = ""
+    delta: str = ""  # text produced by the last step
+    done: bool = False
+    finish_reason: str | None = None
+    prefill_tokens: int = 0
+    cached_tokens: int = 0
+    started: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.first_token_at is None
+
+    def usage(self) -> dict[str, Any]:
+        """Report token counts, timings and the session's memory for this answer."""
+        end = self.finished_at or time.perf_counter()
+        first = self.first_token_at or end
+        return {
+            "prefill_tokens": self.prefill_tokens,
+            "cached_tokens": self.cached_tokens,
+            "generated_tokens": len(self.generated),
+            "ttft_ms": round((first - self.started) * 1000, 3),
+            "total_ms": round((end - self.started) * 1000, 3),
+            "finish_reason": self.finish_reason,
+            "session_bytes": self.state.nbytes,
+            "session_tier": self.found_in.value,
+        }
