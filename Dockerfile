@@ -75,7 +75,10 @@ RUN python /opt/llava-sessions/base_constraints.py > /opt/llava-sessions/constra
 #     accepts everything the endpoint can deliver, and a local run rejects what SageMaker would.
 #   LLAVA_SESSION_TTL_S: idle seconds before a session expires (1200 s, as AWS containers use);
 #     every handler setting of model-config.yaml has such an LLAVA_<NAME> override.
+# The kit's session gauges (sessions and bytes per memory tier) next to TorchServe's own metrics.
+COPY handler/metrics.yaml /opt/llava-sessions/metrics.yaml
 ENV TS_DEFAULT_RESPONSE_TIMEOUT=300 \
+    TS_METRICS_CONFIG=/opt/llava-sessions/metrics.yaml \
     TS_DEFAULT_STARTUP_TIMEOUT=600 \
     TS_MAX_REQUEST_SIZE=6291456 \
     TS_MAX_RESPONSE_SIZE=6291456 \

@@ -38,8 +38,8 @@ class ServerConfig:
     # Memory tiers (0 = no budget): past the device budget the least recently used sessions'
     # caches move to host memory; past the host budget they keep only their image features
     # (recomputed on their next turn); past that they are evicted.
-    device_budget_mb: int = 0
-    host_budget_mb: int = 0
+    device_budget_mb: float = 0.0
+    host_budget_mb: float = 0.0
     cache_mode: str = "kv"  # "kv": per-session KV cache; "pixels": the reference design
     reaper_interval_s: float = 5.0
     # Requests
@@ -89,11 +89,11 @@ class ServerConfig:
 
     @property
     def device_budget_bytes(self) -> int | None:
-        return self.device_budget_mb * 1024 * 1024 if self.device_budget_mb else None
+        return int(self.device_budget_mb * 1024 * 1024) if self.device_budget_mb else None
 
     @property
     def host_budget_bytes(self) -> int | None:
-        return self.host_budget_mb * 1024 * 1024 if self.host_budget_mb else None
+        return int(self.host_budget_mb * 1024 * 1024) if self.host_budget_mb else None
 
     @classmethod
     def from_mapping(

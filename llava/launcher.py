@@ -74,6 +74,7 @@ class TorchServe:
         text = text.replace("127.0.0.1:8081", f"127.0.0.1:{self.management_port}")
         text = text.replace("127.0.0.1:8082", f"127.0.0.1:{self.metrics_port}")
         text += f"\nmodel_store={self.model_store}\nload_models={self.model}={self.model}\n"
+        text += f"metrics_config={ROOT / 'handler' / 'metrics.yaml'}\n"
         # Worker sockets are /tmp/.ts.sock.<port> whatever TMPDIR says: give each instance its
         # own range so several TorchServes can run side by side.
         text += f"\ninitial_worker_port={self.worker_port}\n"

@@ -158,3 +158,35 @@ def test_streaming_sends_deltas_then_usage(server, client, reference):
     text = "".join(e["text"] for e in events[:-1])
     assert text == reference.answers(image, ["Tell me more."], 16)[0]
     assert events[-1]["usage"]["generated_tokens"] >= 1
+
+
+def test_generate_answers_without_a_session(server, client, reference):
+    url = server.url("/predictions/llava")
+    image = make_image(14)
+    r = post(
+        client,
+        url,
+        {
+            "type": "generate",
+            "image": data_uri(image),
+            "prompt": "What is this?",
+            "max_new_tokens": 10,
+        },
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert "session_id" not in body and NEW_SESSION_HEADER not in r.headers
+    assert body["text"] == reference.answers(image, ["What is this?"], 10)[0]
+    assert body["usage"]["cached_tokens"] == 0
+    r = post(
+        client,
+        url,
+        {
+            "type": "generate",
+            "image": data_uri(image),
+            "prompt": "And?",
+            "history": [["What is this?", body["text"]]],
+            "stream": True,
+        },
+    )
+    assert r.status_code == 200 and r.text.strip().splitlines()[-1].startswith('{"usage"')

@@ -1,0 +1,172 @@
+"""The engine in-process on the tiny checkpoint: caches, tiers and batching never change answers."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import Reference, make_image
+
+from llava.config import ServerConfig
+from llava.engine import LlavaEngine, Tier
+from llava.engine.memory import TieredMemory
+from llava.errors import SessionExpired
+from llava.protocol import GenerationParams
+from llava.sessions import SessionStore
+
+GREEDY = GenerationParams(max_new_tokens=10)
+PROMPTS = ["What is this?", "Which colors do you see?", "Is it big?", "Why?"]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint):
+    return LlavaEngine.load(tiny_checkpoint, ServerConfig(device="cpu"))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint):
+    return Reference(tiny_checkpoint)
+
+
+def answer(engine, state, prompt, params=GREEDY, **kw):
+    turn = engine.start_turn(state, prompt, params, **kw)
+    while not turn.done:
+        assert not engine.step([turn])
+    engine.finish_turn(turn)
+    return turn
+
+
+def test_follow_ups_prefill_only_their_own_tokens(engine, reference):
+    image = make_image(1)
+    state = engine.open_session(image)
+    turns = [answer(engine, state, p) for p in PROMPTS]
+    assert [t.text for t in turns] == reference.answers(image, PROMPTS, 10)
+    for turn in turns[1:]:
+        assert turn.cached_tokens > state.prefix_len
+        assert turn.prefill_tokens <= len(turn.new_ids) + 1  # + the last answer token
+
+
+def test_concurrent_answers_share_one_forward_per_step(engine):
+    images = [make_image(10 + i) for i in range(6)]
+    prompts = [PROMPTS[i % 4] * (1 + i % 3) for i in range(6)]  # different lengths
+    alone = []
+    for image, prompt in zip(images, prompts, strict=True):
+        alone.append(answer(engine, engine.open_session(image), prompt).generated)
+
+    states = [engine.open_session(image) for image in images]
+    turns = [engine.start_turn(s, p, GREEDY) for s, p in zip(states, prompts, strict=True)]
+    calls = []
+    hook = engine.replicas[0].model.register_forward_hook(
+        lambda module, args, kwargs, out: calls.append(kwargs["input_ids"].shape), with_kwargs=True
+    )
+    try:
+        assert not engine.step(turns)  # prefills: one forward each
+        assert len(calls) == 6
+        calls.clear()
+        steps = 0
+        while not all(t.done for t in turns):
+            assert not engine.step(turns)
+            steps += 1
+    finally:
+        hook.remove()
+    for turn in turns:
+        engine.finish_turn(turn)
+    assert [t.generated for t in turns] == alone
+    assert calls[0] == (6, 1)  # one batched forward for six sessions
+    assert len(calls) == steps  # never more than one forward per step while all decode
+
+
+def test_offloaded_and_dropped_caches_give_the_same_answers(engine, reference):
+    image = make_image(2)
+    state = engine.open_session(image)
+    answer(engine, state, PROMPTS[0])
+    assert engine.offload(state) > 0 and state.tier is Tier.HOST and state.device_bytes == 0
+    second = answer(engine, state, PROMPTS[1])
+    assert second.found_in is Tier.HOST and state.tier is Tier.DEVICE
+    assert engine.drop_cache(state) > 0 and state.tier is Tier.FEATURES and state.cache is None
+    third = answer(engine, state, PROMPTS[2])
+    assert third.found_in is Tier.FEATURES and third.cached_tokens == 0
+    assert third.prefill_tokens == len(state.token_ids) - len(third.generated)  # recomputed
+    expected = reference.answers(image, PROMPTS[:3], 10)
+    assert [answer.text for answer in (second, third)] == expected[1:]
+
+
+def test_branch_without_history_leaves_the_main_line(engine, reference):
+    image = make_image(3)
+    state = engine.open_session(image)
+    answer(engine, state, PROMPTS[0])
+    ids = list(state.token_ids)
+    branch = answer(engine, state, PROMPTS[1], history=False)
+    assert branch.text == reference.answers(image, [PROMPTS[1]], 10)[0]
+    assert state.token_ids == ids
+    follow = answer(engine, state, PROMPTS[1])
+    assert follow.text == reference.answers(image, PROMPTS[:2], 10)[1]
+
+
+def test_abort_rolls_the_cache_back(engine, reference):
+    image = make_image(4)
+    state = engine.open_session(image)
+    before = state.cached
+    turn = engine.start_turn(state, "Ramble on.", GenerationParams(max_new_tokens=50))
+    for _ in range(5):
+        engine.step([turn])
+    engine.abort_turn(turn)
+    assert state.cached == before and state.history == []
+    assert answer(engine, state, PROMPTS[0]).text == reference.answers(image, PROMPTS[:1], 10)[0]
+
+
+def test_pixels_mode_is_the_reference_design_with_the_same_answers(tiny_checkpoint, reference):
+    pixels = LlavaEngine.load(tiny_checkpoint, ServerConfig(device="cpu", cache_mode="pixels"))
+    image = make_image(5)
+    state = pixels.open_session(image)
+    assert state.cache is None and state.pixel_values is not None
+    turns = [answer(pixels, state, p) for p in PROMPTS[:3]]
+    assert [t.text for t in turns] == reference.answers(image, PROMPTS[:3], 10)
+    assert all(t.cached_tokens == 0 for t in turns)  # everything recomputed every turn
+
+
+def tiered_store(engine, device_budget, host_budget):
+    return SessionStore(
+        max_sessions=10,
+        memory=TieredMemory(engine, device_budget, host_budget),
+        release=lambda session, reason: engine.release(session.state),
+    )
+
+
+def test_tiered_memory_moves_idle_sessions_down_the_tiers(engine, reference):
+    probe = engine.open_session(make_image(6))
+    kv, features = probe.cache_bytes, probe.host_bytes
+    engine.release(probe)
+    assert kv > 2 * features
+    store = tiered_store(engine, int(kv * 1.5), int(kv + 2.5 * features))
+    images = [make_image(20 + i) for i in range(3)]
+    sessions = []
+
+    def add(image):
+        state = engine.open_session(image)
+        sessions.append(store.add(store.reserve(), state, state.nbytes))
+        return [s.state.tier for s in sessions]
+
+    assert add(images[0]) == [Tier.DEVICE]
+    assert add(images[1]) == [Tier.HOST, Tier.DEVICE]  # over the device budget: offloaded
+    assert add(images[2]) == [Tier.FEATURES, Tier.FEATURES, Tier.DEVICE]  # over the host budget
+    assert sessions[0].nbytes == features  # only the image features are kept
+    for session, image in zip(sessions, images, strict=True):
+        found = session.state.tier
+        with store.turn(session.id) as s:
+            turn = answer(engine, s.state, PROMPTS[0])
+        assert turn.found_in is found
+        assert turn.text == reference.answers(image, PROMPTS[:1], 10)[0]
+
+
+def test_past_the_host_budget_sessions_are_evicted(engine):
+    probe = engine.open_session(make_image(7))
+    features = probe.host_bytes
+    engine.release(probe)
+    store = tiered_store(engine, 1, int(1.5 * features))
+    ids = []
+    for i in range(3):
+        state = engine.open_session(make_image(30 + i))
+        ids.append(store.add(store.reserve(), state, state.nbytes).id)
+    for sid in ids[:2]:
+        with pytest.raises(SessionExpired, match="evicted"):
+            store.get(sid)
+    assert store.get(ids[2]).state is not None
