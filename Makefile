@@ -21,11 +21,12 @@ S3_URI         ?=
 ECR_REPOSITORY ?=
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: help venv dev archive serve stop test lint clean build-and-push deploy delete local-endpoint
+.PHONY: help venv dev archive serve stop test lint clean bench build-and-push deploy delete local-endpoint
 
 help:
 	@echo "make serve   build the model archive and serve it on 127.0.0.1:8080 (MODEL=$(MODEL))"
 	@echo "make test    run the whole test suite"
+	@echo "make bench   benchmark the session cache against the reference design (minutes)"
 	@echo "make local-endpoint      a local SageMaker runtime on 127.0.0.1:8090 in front of 2 TorchServes"
 	@echo "make build-and-push      build the SageMaker image, push it to ECR (REPOSITORY=$(REPOSITORY))"
 	@echo "make deploy IMAGE_URI=... ROLE_ARN=... BUCKET=...   upload MODEL=$(MODEL), deploy endpoint $(ENDPOINT)"
@@ -55,6 +56,10 @@ local-endpoint: archive
 
 stop:
 	$(BIN)/torchserve --stop
+
+# Not part of `make test`: prints a table and writes bench/results/bench.{json,png}.
+bench: venv
+	$(BIN)/python bench/run.py $(BENCH_FLAGS)
 
 lint: venv
 	$(BIN)/ruff format --check .

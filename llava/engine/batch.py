@@ -16,6 +16,48 @@ from transformers.cache_utils import DynamicLayer
 from llava.engine.state import Turn
 
 
+class _PreallocatedLayer(DynamicLayer):
+    """A cache layer with spare room: each step writes its keys/values in place.
+
+    The stock layer concatenates the whole cache on every step, a full copy per token; here the
+    copy happens only when the spare room runs out (and then grows by half).
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+        super().__init__()
+        self.lazy_initialization(keys, values)
+        self._keys, self._values, self._length = keys, values, length
+        self._expose()
+
+    def _expose(self) -> None:
+        self.keys = self._keys[:, :, : self._length]
+        self.values = self._values[:, :, : self._length]
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        new = key_states.shape[-2]
+        if self._length + new > self._keys.shape[2]:
+            room = max(new, self._keys.shape[2] // 2)
+            self._keys = _widen(self._keys, room)
+            self._values = _widen(self._values, room)
+        end = self._length + new
+        self._keys[:, :, self._length : end] = key_states
+        self._values[:, :, self._length : end] = value_states
+        self._length = end
+        self._expose()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self._length
+
+
+def _widen(tensor: torch.Tensor, extra: int) -> torch.Tensor:
+    shape = list(tensor.shape)
+    shape[2] = extra
+    return torch.cat([tensor, tensor.new_zeros(shape)], dim=2)
+
+
 class DecodeBatch:
     """Several turns' caches stacked so that one forward advances all of them by a token."""
 
@@ -25,25 +67,24 @@ class DecodeBatch:
         width = max(self._lengths)
         self._pad = [width - n for n in self._lengths]
         self._steps = 0
+        room = width + max((t.max_new_tokens - len(t.generated) for t in turns), default=0) + 1
         self.cache = DynamicCache()
         for layer_idx in range(len(turns[0].cache.layers)):
-            keys = self._stack([t.cache.layers[layer_idx].keys for t in turns], width)
-            values = self._stack([t.cache.layers[layer_idx].values for t in turns], width)
-            layer = DynamicLayer()
-            layer.lazy_initialization(keys, values)
-            layer.keys, layer.values = keys, values
-            self.cache.layers.append(layer)
+            keys = self._stack([t.cache.layers[layer_idx].keys for t in turns], room)
+            values = self._stack([t.cache.layers[layer_idx].values for t in turns], room)
+            self.cache.layers.append(_PreallocatedLayer(keys, values, width))
         device = turns[0].cache.layers[0].keys.device
         self._mask = torch.zeros(len(turns), width, dtype=torch.long, device=device)
         for row, pad in enumerate(self._pad):
             self._mask[row, pad:] = 1
         self._positions = torch.tensor(self._lengths, device=device)
 
-    def _stack(self, tensors: list[torch.Tensor], width: int) -> torch.Tensor:
-        first = tensors[0]
-        out = first.new_zeros((len(tensors), first.shape[1], width, first.shape[3]))
+    def _stack(self, tensors: list[torch.Tensor], room: int) -> torch.Tensor:
+        """Left-pad each [1, heads, len, dim] tensor to the batch width, with spare room after."""
+        first, width = tensors[0], max(self._lengths)
+        out = first.new_zeros((len(tensors), first.shape[1], room, first.shape[3]))
         for row, tensor in enumerate(tensors):
-            out[row, :, width - tensor.shape[2] :] = tensor[0]
+            out[row, :, width - tensor.shape[2] : width] = tensor[0]
         return out
 
     def same_members(self, turns: list[Turn]) -> bool:
