@@ -279,8 +279,10 @@ class SessionService:
         return replies
 
     def _chunk(self, work: _Answering) -> Reply | None:
-        if not work.stream or not work.turn.delta:
+        if not work.stream or (work.streaming and not work.turn.delta):
             return None  # nothing new to send: stay in the batch silently
+        # The first token always goes out at once (its text may still be held back, half a
+        # character), so a client's time to first token is the model's.
         return self._stream_reply(work, stream_line({"text": work.turn.delta}), last=False)
 
     def _stream_reply(self, work: _Answering, body: bytes, *, last: bool) -> Reply:
