@@ -23,11 +23,34 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """Return a TCP port on 127.0.0.1 that is free now and not handed out before here."""
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """Return `count` distinct free ports, none handed out before by this process.
+
+    The sockets stay bound until all ports are picked, so the OS cannot give the same port
+    twice; several TorchServes started side by side each need six.
+    """
+    socks, ports = [], []
+    try:
+        while len(ports) < count:
+            sock = socket.socket()
+            socks.append(sock)
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+            if port not in _HANDED_OUT:
+                _HANDED_OUT.add(port)
+                ports.append(port)
+    finally:
+        for sock in socks:
+            sock.close()
+    return ports
 
 
 class TorchServe:
@@ -46,10 +69,10 @@ class TorchServe:
         self.model = model
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="torchserve-"))
         self.extra_env = env or {}
-        self.port = port or free_port()
-        self.management_port = free_port()
-        self.metrics_port = free_port()
-        self.worker_port = free_port()
+        ports = free_ports(6)
+        self.port = port or ports[0]
+        self.management_port, self.metrics_port, self.worker_port = ports[1:4]
+        self._grpc_ports = ports[4:6]
         self.log_dir = self.workdir / "logs"
         self._bin = Path(sys.executable).parent
 
@@ -79,7 +102,7 @@ class TorchServe:
         # own range so several TorchServes can run side by side.
         text += f"\ninitial_worker_port={self.worker_port}\n"
         # gRPC cannot be switched off in TorchServe 0.12: give it free ports too.
-        text += f"grpc_inference_port={free_port()}\ngrpc_management_port={free_port()}\n"
+        text += "grpc_inference_port={}\ngrpc_management_port={}\n".format(*self._grpc_ports)
         path = self.workdir / "config.properties"
         path.write_text(text)
         return path
@@ -111,6 +134,8 @@ class TorchServe:
         """Poll /ping until Healthy (every model has its workers up) or fail with the logs' tail."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
+            if "Torchserve stopped" in self.log_tail(20):
+                break  # it gave up (a port taken, a bad config): do not wait for nothing
             try:
                 if httpx.get(self.url("/ping"), timeout=2).status_code == 200:
                     return

@@ -33,6 +33,7 @@ import logging
 import re
 import signal
 import struct
+import sys
 import threading
 import time
 import uuid
@@ -520,6 +521,14 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
     runtime: LocalRuntime
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """Log a client that went away in one line, not as a traceback on stderr."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (ConnectionError, TimeoutError)):
+            log.debug("client %s went away: %s", client_address, exc)
+        else:
+            log.exception("error serving %s", client_address)
 
 
 class _Handler(BaseHTTPRequestHandler):
