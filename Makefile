@@ -21,11 +21,12 @@ S3_URI         ?=
 ECR_REPOSITORY ?=
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: help venv dev archive serve stop test lint clean bench build-and-push deploy delete local-endpoint
+.PHONY: help venv dev archive serve stop test lint clean bench build-and-push deploy delete local-endpoint stress
 
 help:
 	@echo "make serve   build the model archive and serve it on 127.0.0.1:8080 (MODEL=$(MODEL))"
 	@echo "make test    run the whole test suite"
+	@echo "make stress  soak ($(STRESS_CYCLES) open/ask/close cycles) and $(STRESS_SESSIONS) concurrent sessions; prints figures"
 	@echo "make bench   benchmark the session cache against the reference design (minutes)"
 	@echo "make local-endpoint      a local SageMaker runtime on 127.0.0.1:8090 in front of 2 TorchServes"
 	@echo "make build-and-push      build the SageMaker image, push it to ECR (REPOSITORY=$(REPOSITORY))"
@@ -67,6 +68,14 @@ lint: venv
 
 test: venv lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+# The soak and load tests at full size; each prints its measured figures.
+STRESS_CYCLES   ?= 1000
+STRESS_SESSIONS ?= 32
+stress: venv
+	LLAVA_SOAK_CYCLES=$(STRESS_CYCLES) LLAVA_STRESS_SESSIONS=$(STRESS_SESSIONS) \
+		$(BIN)/python -m pytest -q -s -p no:cacheprovider \
+		tests/integration/test_soak.py tests/integration/test_load.py
 
 build-and-push:
 	./build_and_push.sh $(REPOSITORY) $(TAG)

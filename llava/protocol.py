@@ -115,7 +115,7 @@ def header(headers: Mapping[str, Any], name: str) -> str | None:
 
 def parse_request(body: Any, headers: Mapping[str, Any], limits: Limits = Limits()) -> Request:
     """Validate one request body and its session header into a typed request."""
-    obj = _decode_body(body, limits)
+    obj = _decode_body(body, headers, limits)
     kind = obj.get("type")
     if kind is None:
         raise InvalidRequest(
@@ -132,28 +132,50 @@ def parse_request(body: Any, headers: Mapping[str, Any], limits: Limits = Limits
     return parser(obj, _session_id(obj, headers), limits)
 
 
-def _decode_body(body: Any, limits: Limits) -> dict[str, Any]:
+def _decode_body(body: Any, headers: Mapping[str, Any], limits: Limits) -> dict[str, Any]:
+    """Return the body as a JSON object, whatever the Content-Type (which is not checked).
+
+    TorchServe's worker decodes `application/json` bodies itself (a dict, list, number or
+    string arrives), decodes `text/*` to a string, and passes anything else as bytes.
+    """
     if isinstance(body, dict):
+        # Decoded by TorchServe, whose own limit (max_request_size) is above ours: check the
+        # length the client declared.
+        declared = header(headers, "Content-Length")
+        if declared is not None and declared.strip().isdigit():
+            _check_size(int(declared), limits)
         return body
     if body is not None and not isinstance(body, (str, bytes, bytearray)):
         raise InvalidRequest("body must be a JSON object", field="body")  # TorchServe decoded it
+    if isinstance(body, str) and _media_type(headers) == JSON_CONTENT_TYPE:
+        # A JSON string that TorchServe already decoded: do not decode its content again.
+        raise InvalidRequest("body must be a JSON object", field="body")
     if isinstance(body, str):
         body = body.encode()
     if not isinstance(body, (bytes, bytearray)) or not body:
         raise InvalidRequest('empty body: send a JSON object with a "type"', field="body")
-    if len(body) > limits.max_body_bytes:
-        raise PayloadTooLarge(
-            f"body is {len(body)} bytes, the limit is {limits.max_body_bytes}: "
-            "send large images by https or s3:// URL instead of inline base64",
-            field="body",
-        )
+    _check_size(len(body), limits)
     try:
         obj = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise InvalidRequest(f"body is not valid JSON: {exc}", field="body") from None
+    except (ValueError, RecursionError) as exc:  # incl. ints over Python's 4300-digit limit
+        raise InvalidRequest(f"body is not valid JSON: {str(exc)[:200]}", field="body") from None
     if not isinstance(obj, dict):
         raise InvalidRequest("body must be a JSON object", field="body")
     return obj
+
+
+def _check_size(size: int, limits: Limits) -> None:
+    if size > limits.max_body_bytes:
+        raise PayloadTooLarge(
+            f"body is {size} bytes, the limit is {limits.max_body_bytes}: "
+            "send large images by https or s3:// URL instead of inline base64",
+            field="body",
+        )
+
+
+def _media_type(headers: Mapping[str, Any]) -> str:
+    value = header(headers, "Content-Type") or ""
+    return value.split(";", 1)[0].strip().lower()
 
 
 def _session_id(obj: Mapping[str, Any], headers: Mapping[str, Any]) -> str | None:

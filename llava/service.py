@@ -209,10 +209,18 @@ class SessionService:
     def _fetch(self, ref: str) -> Future:
         """Load remote images in the background; decode inline ones now (their body is here)."""
         if ref.startswith(("https://", "http://", "s3://")):
-            return self._fetcher.submit(self.images.load, ref)
+            return self._fetcher.submit(self._load_image, ref)
         done: Future = Future()
-        done.set_result(self.images.load(ref))
+        done.set_result(self._load_image(ref))
         return done
+
+    def _load_image(self, ref: str) -> Any:
+        try:
+            return self.images.load(ref)
+        except KitError as exc:  # every image problem names the field it came from
+            if exc.field is None:
+                exc.field = "image"
+            raise
 
     def _wait_if_idle(self, replies: dict[str, Reply]) -> None:
         if replies or any(isinstance(w, _Answering) for w in self._work.values()):
@@ -226,11 +234,17 @@ class SessionService:
         del self._work[request_id]
         if isinstance(work.request, Generate):
             return self._guard(lambda _: self._start_generate(request_id, work), None)
+        state = None
         try:
             state = self.engine.open_session(work.image.result(), work.request.system_prompt)
             session = self.store.add(work.slot, state, state.nbytes)
         except BaseException as exc:
             self.store.cancel(work.slot)
+            if state is not None:  # opened but never stored: free it, or its memory leaks
+                try:
+                    self.engine.release(state)
+                except Exception as release_exc:
+                    internal_error(release_exc)
             return error_reply(exc if isinstance(exc, KitError) else internal_error(exc))
 
         expires = self.store.expires_at(session)

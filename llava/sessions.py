@@ -13,6 +13,9 @@ traffic.
     session = store.add(slot, state, nbytes)
     with store.turn(session.id) as s: ...   # marks it busy; a busy session is never evicted
     store.close(session.id)
+
+An optional `journal` (`llava.registry.SessionRegistry`) hears of every opened, used and ended
+id, so that a worker started after this one died can `load_tombstones` for the ids it lost.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -101,6 +104,13 @@ def idle_sessions(sessions: list[Session], keep: str | None) -> list[Session]:
     return [s for s in sessions if not s.busy and not s.closing and s.id != keep]
 
 
+class SessionJournal(Protocol):
+    """Hears of session ids as they open, are used (new expiry) and end; must not raise."""
+
+    def opened(self, sid: str, expires_at: float) -> None: ...
+    def ended(self, sid: str) -> None: ...
+
+
 @dataclass(frozen=True)
 class Slot:
     """A reserved place for a session being opened (its image may still be loading)."""
@@ -121,6 +131,7 @@ class SessionStore:
         release: Callable[[Session, str], None] = lambda session, reason: None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        journal: SessionJournal | None = None,
     ) -> None:
         if ttl_s <= 0 or max_sessions <= 0:
             raise ValueError("ttl_s and max_sessions must be positive")
@@ -132,6 +143,7 @@ class SessionStore:
         self._release = release
         self._clock = clock
         self._wall_clock = wall_clock
+        self._journal = journal
         self._lock = threading.RLock()
         self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
         self._slots: set[str] = set()
@@ -167,6 +179,7 @@ class SessionStore:
             self._slots.discard(slot.id)
             session = Session(slot.id, state, nbytes, self._clock(), info=dict(info))
             self._sessions[slot.id] = session
+            self._note("opened", session.id, self.expires_at(session))
             self._enforce_budget(keep=session.id)
             return session
 
@@ -205,6 +218,8 @@ class SessionStore:
             if session.closing:
                 self._free(session, CLOSED)
             else:
+                if session.id in self._sessions:
+                    self._note("opened", session.id, self.expires_at(session))
                 self._enforce_budget(keep=session.id)
 
     @contextmanager
@@ -228,6 +243,21 @@ class SessionStore:
         with self._lock:
             if session.id in self._sessions and not session.closing:
                 self._end(session, reason)
+
+    def load_tombstones(self, ids: Iterable[str], reason: str = LOST) -> int:
+        """Remember ids that ended elsewhere (e.g. in a dead worker): they get `reason`'s error.
+
+        Open sessions are left alone; returns how many tombstones were added.
+        """
+        if reason not in _ENDED_ERRORS:
+            raise ValueError(f"unknown reason {reason!r}; use one of {', '.join(_ENDED_ERRORS)}")
+        added = 0
+        with self._lock:
+            for sid in ids:
+                if sid not in self._sessions and sid not in self._slots:
+                    self._remember(sid, reason)
+                    added += 1
+        return added
 
     def expires_at(self, session: Session) -> float:
         """Return the wall-clock time at which the session expires if left idle."""
@@ -305,6 +335,7 @@ class SessionStore:
     def _end(self, session: Session, reason: str) -> None:
         """Remove a session from use; free it now, or when its running answer ends."""
         self._remember(session.id, reason)
+        self._note("ended", session.id)
         if session.busy:
             session.closing = True
         else:
@@ -324,10 +355,24 @@ class SessionStore:
         while len(self._ended) > _TOMBSTONES:
             self._ended.popitem(last=False)
 
+    def _note(self, event: str, *args: Any) -> None:
+        """Tell the journal; its failure must never cost a request its answer."""
+        if self._journal is None:
+            return
+        try:
+            getattr(self._journal, event)(*args)
+        except Exception:
+            log.warning("session journal failed on %s", event, exc_info=True)
+
     def _enforce_budget(self, keep: str) -> None:
         if self.memory is None:
             return
-        for session in self.memory.rebalance(list(self._sessions.values()), keep):
+        try:
+            victims = self.memory.rebalance(list(self._sessions.values()), keep)
+        except Exception:  # a broken policy must not fail the open or answer that called it
+            log.exception("memory policy failed; sessions stay as they are")
+            return
+        for session in victims:
             if session.busy or session.id == keep or session.closing:
                 continue  # a policy must not take these; refuse quietly rather than break them
             log.info(

@@ -8,6 +8,10 @@ step with every active request. The rules this adapter follows (see TORCHSERVE-F
 - `context.stopping_criteria` holds one function per position that cannot raise: None = whole
   response, False = more chunks to come, True = last chunk;
 - `handle()` never raises, because an exception would fail every request in the batch.
+
+A worker records the session ids it issues in a per-model registry file (`llava.registry`); a
+worker started after one died loads the ids it never ended as lost, so their clients get 400
+`session_lost` instead of `session_not_found`.
 """
 
 from __future__ import annotations
@@ -38,6 +42,27 @@ def _phrase(status: int) -> str:
         return "Client Closed Request" if status == 499 else "Error"
 
 
+def open_registry(context: Any) -> tuple[Any, list[str]]:
+    """Open this model's session registry; return it and the ids a dead predecessor lost.
+
+    Returns `(None, [])` when the registry cannot be used: sessions then work without it.
+    """
+    from llava.registry import SessionRegistry
+
+    name = str(getattr(context, "model_name", None) or "llava")
+    try:
+        registry = SessionRegistry.for_model(name)
+        lost = registry.recover()
+    except Exception:  # the registry is a diagnosis aid: never let it stop the worker
+        log.warning(
+            "session registry unavailable; lost sessions will read as unknown", exc_info=True
+        )
+        return None, []
+    if lost:
+        log.info("%d sessions of an earlier worker are lost; they answer session_lost", len(lost))
+    return (registry if registry.enabled else None), lost
+
+
 class SessionHandler:
     """Load the engine once per worker, then serve every step of every request."""
 
@@ -52,19 +77,22 @@ class SessionHandler:
         from llava.engine import LlavaEngine  # torch is imported here, never at module import
         from llava.engine.memory import TieredMemory
         from llava.images import ImageLoader, ImagePolicy
-        from llava.sessions import SessionStore
+        from llava.sessions import LOST, SessionStore
 
         model_dir = Path(context.system_properties.get("model_dir"))
         section = (getattr(context, "model_yaml_config", None) or {}).get("handler")
         self.config = config = ServerConfig.from_mapping(section, os.environ)
         engine = LlavaEngine.load(model_dir, config)
         self.memory = TieredMemory(engine, config.device_budget_bytes, config.host_budget_bytes)
+        registry, lost = open_registry(context)
         store = SessionStore(
             ttl_s=config.session_ttl_s,
             max_sessions=config.max_sessions,
             memory=self.memory,
             release=lambda session, reason: engine.release(session.state),
+            journal=registry,
         )
+        store.load_tombstones(lost, LOST)
         store.start_reaper(config.reaper_interval_s)
         images = ImageLoader(
             ImagePolicy(

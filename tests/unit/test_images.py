@@ -972,3 +972,70 @@ def test_describe_ref_is_short_and_never_raises(ref: str) -> None:
     text = describe_ref(ref)
     assert len(text) <= 80
     assert "?" not in text
+
+
+# Blocked networks, each as an address drawn from inside it: every URL naming one (as an IPv4
+# literal, a bracketed IPv6 literal, an IPv4-mapped IPv6 literal, or a legacy numeric IPv4 form
+# that the system resolver turns into the address) is refused, and nothing is connected.
+_BLOCKED_NETS = [
+    ipaddress.ip_network(n)
+    for n in (
+        "0.0.0.0/8",
+        "10.0.0.0/8",
+        "100.64.0.0/10",
+        "127.0.0.0/8",
+        "169.254.0.0/16",
+        "172.16.0.0/12",
+        "192.168.0.0/16",
+        "224.0.0.0/4",
+        "240.0.0.0/4",
+        "::1/128",
+        "fc00::/7",
+        "fe80::/10",
+        "ff00::/8",
+    )
+]
+
+
+@st.composite
+def blocked_urls(draw: Any) -> str:
+    net = draw(st.sampled_from(_BLOCKED_NETS))
+    addr = net[draw(st.integers(0, net.num_addresses - 1))]
+    scheme = draw(st.sampled_from(["https", "HTTPS"]))
+    path = draw(st.sampled_from(["/", "/x.png", "/latest/meta-data/?a=1"]))
+    port = draw(st.sampled_from(["", ":443", ":8081"]))
+    if addr.version == 6:
+        host = f"[{addr.compressed}]" if draw(st.booleans()) else f"[{addr.exploded}]"
+    else:
+        host = draw(
+            st.sampled_from(
+                [
+                    str(addr),
+                    f"[::ffff:{addr}]",
+                    str(int(addr)),  # 2130706433: resolved like 127.0.0.1
+                    ".".join(hex(int(o)) for o in str(addr).split(".")),  # 0x7f.0x0.0x0.0x1
+                ]
+            )
+        )
+    return f"{scheme}://{host}{port}{path}"
+
+
+def inet_aton_resolver(host: str, port: int) -> list[str]:
+    """Resolve numeric IPv4 forms the way the C library does, without any DNS."""
+    return [socket.inet_ntoa(socket.inet_aton(host))]
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(blocked_urls())
+def test_urls_to_blocked_addresses_are_refused_without_connecting(url: str) -> None:
+    def trap(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError(f"connected for {url}")
+
+    loader = ImageLoader(resolver=inet_aton_resolver)
+    original = socket.socket.connect
+    socket.socket.connect = trap  # type: ignore[method-assign]
+    try:
+        with pytest.raises(ImageForbidden):
+            loader.load(url)
+    finally:
+        socket.socket.connect = original  # type: ignore[method-assign]

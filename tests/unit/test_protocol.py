@@ -19,6 +19,7 @@ from llava.protocol import (
     SESSION_HEADER,
     SESSION_ID_RE,
     CloseSession,
+    Generate,
     GenerationParams,
     Limits,
     OpenSession,
@@ -447,6 +448,32 @@ def test_deeply_nested_json_is_a_client_error() -> None:
     assert_field(b"[" * 100_000, "body")
 
 
+@pytest.mark.parametrize("digits", [4301, 100_000])
+def test_integers_over_pythons_digit_limit_are_a_client_error(digits: int) -> None:
+    """json.loads raises a plain ValueError for them (not JSONDecodeError): once a 500."""
+    body = b'{"type": "query", "prompt": "x", "max_new_tokens": 1' + b"0" * digits + b"}"
+    assert_field(body, "body", sid_headers())
+
+
+def test_a_decoded_body_over_the_declared_limit_is_413() -> None:
+    """TorchServe decodes JSON bodies up to its own, higher limit: Content-Length tells."""
+    limits = Limits(max_body_bytes=100)
+    headers = {**sid_headers(), "content-length": "101"}
+    error = rejected(query(), headers, limits)
+    assert (error.status, error.field) == (413, "body")
+    assert isinstance(parse_request(query(), {**headers, "content-length": "100"}, limits), Query)
+    assert isinstance(parse_request(query(), {**sid_headers(), "Content-Length": "x"}), Query)
+
+
+@pytest.mark.parametrize("content_type", ["application/json", "Application/JSON; charset=utf-8"])
+def test_a_json_string_body_is_not_decoded_twice(content_type: str) -> None:
+    """TorchServe hands a decoded JSON string over as str: it is not an object."""
+    text = json.dumps(query())
+    assert_field(text, "body", {**sid_headers(), "Content-Type": content_type})
+    # The same text sent as text/plain (TorchServe decodes it to str) is a JSON object.
+    assert isinstance(parse_request(text, {**sid_headers(), "Content-Type": "text/plain"}), Query)
+
+
 # -- property: nothing but a KitError ever escapes -----------------------------------------
 
 FIELDS = [
@@ -468,7 +495,9 @@ json_values = st.recursive(
     | st.integers()
     | st.floats(allow_nan=True, allow_infinity=True)
     | st.text(max_size=20)
-    | st.sampled_from(["open_session", "query", "close_session", SID, NEW_SESSION, IMAGE]),
+    | st.sampled_from(
+        ["open_session", "query", "close_session", "generate", SID, NEW_SESSION, IMAGE]
+    ),
     lambda children: (
         st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=5), children, max_size=3)
     ),
@@ -489,7 +518,7 @@ def parses_or_kit_error(body: Any, headers: dict[str, Any]) -> None:
         assert 400 <= exc.status < 500
         json.dumps(exc.to_body())
     else:
-        assert isinstance(request, (OpenSession, Query, CloseSession))
+        assert isinstance(request, (OpenSession, Query, CloseSession, Generate))
 
 
 @given(bodies, header_maps)
@@ -512,6 +541,79 @@ def test_arbitrary_json_bodies_raise_only_kit_errors(
 @settings(max_examples=200, deadline=None)
 def test_arbitrary_bytes_raise_only_kit_errors(body: Any, headers: dict[str, Any]) -> None:
     parses_or_kit_error(body, headers)
+
+
+# Valid bodies of every type, then one field replaced, added or dropped: reaches the checks
+# behind the first one, which random dictionaries rarely get past.
+VALID = {
+    "open_session": {"type": "open_session", "image": IMAGE, "system_prompt": "Be brief."},
+    "query": {
+        "type": "query",
+        "prompt": "What?",
+        "max_new_tokens": 8,
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "seed": 1,
+        "stream": False,
+        "history": True,
+    },
+    "close_session": {"type": "close_session"},
+    "generate": {
+        "type": "generate",
+        "image": IMAGE,
+        "prompt": "What?",
+        "history": [["q", "a"]],
+        "max_new_tokens": 8,
+    },
+}
+edge_values = json_values | st.sampled_from(
+    [
+        "",
+        " \n\t",
+        "x" * 16_001,
+        2**63,
+        -(2**63),
+        10**400,
+        1e308,
+        -0.0,
+        float("nan"),
+        float("inf"),
+        [["q", "a", "extra"]],
+        [["q", 1]],
+        [["q", "a"]] * 65,
+    ]
+)
+
+
+@st.composite
+def mutated_bodies(draw: Any) -> dict[str, Any]:
+    body = dict(VALID[draw(st.sampled_from(sorted(VALID)))])
+    for _ in range(draw(st.integers(1, 3))):
+        action = draw(st.sampled_from(["replace", "add", "drop"]))
+        if action == "drop" and body:
+            body.pop(draw(st.sampled_from(sorted(body))))
+        else:
+            name = draw(st.sampled_from(FIELDS) | st.text(max_size=6))
+            body[name] = draw(edge_values)
+    return body
+
+
+@given(mutated_bodies(), header_maps)
+@settings(max_examples=400, deadline=None)
+def test_mutated_valid_bodies_raise_only_kit_errors(
+    body: dict[str, Any], headers: dict[str, Any]
+) -> None:
+    parses_or_kit_error(body, headers)
+    parses_or_kit_error(json.dumps(body).encode(), headers)
+
+
+@given(
+    st.sampled_from(['{"type": "query", "prompt": "x", "seed": %s}', "[%s]", "%s"]),
+    st.sampled_from(["NaN", "-Infinity", "1" + "0" * 5000, "1e99999", "[" * 5000, '"\\ud800"']),
+)
+@settings(max_examples=60, deadline=None)
+def test_hostile_json_literals_raise_only_kit_errors(template: str, literal: str) -> None:
+    parses_or_kit_error((template % literal).encode(), sid_headers())
 
 
 # -- response encodings --------------------------------------------------------------------

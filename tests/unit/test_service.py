@@ -683,3 +683,59 @@ def test_finish_turn_raising_fails_only_that_request(
     )
     assert ok is not None and ok.status == 200
     assert bad is not None and bad.status == 500
+
+
+# -- hardening -------------------------------------------------------------------------------
+
+
+class FieldlessImages(FakeImages):
+    """Raise image errors the way llava.images does: without naming a field."""
+
+    def load(self, ref: str) -> Picture:
+        if "bad" in ref:
+            raise InvalidRequest("data URI has media type 'text/plain'")
+        return super().load(ref)
+
+
+@pytest.mark.parametrize("image", ["data:text/plain;base64,bad", "https://x.example/bad.png"])
+def test_image_errors_name_the_image_field(
+    engine: FakeEngine, clock: FakeClock, image: str
+) -> None:
+    images = FieldlessImages()
+    images.gate.set()
+    service = make_service(engine, images, clock)
+    try:
+        reply, _ = run_until_reply(service, Client(), "o", open_body(image), {})
+        assert reply.status == 400 and body_of(reply)["error"]["field"] == "image"
+        assert service.store.stats()["opening"] == 0
+    finally:
+        service.close()
+
+
+def test_an_open_that_fails_after_the_engine_opened_frees_the_state(
+    service: SessionService, engine: FakeEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("store refused")
+
+    monkeypatch.setattr(service.store, "add", refuse)
+    reply = one(service, "o", open_body())
+    assert reply is not None and reply.status == 500
+    assert engine.names()[-2:] == ["open_session", "release"]
+    assert service.store.stats() == {"sessions": 0, "opening": 0, "bytes": 0}
+
+
+def test_a_failing_memory_policy_fails_neither_the_open_nor_the_answer(
+    engine: FakeEngine, images: FakeImages, clock: FakeClock
+) -> None:
+    class Broken:
+        def rebalance(self, sessions: list[Any], keep: str | None) -> list[Any]:
+            raise RuntimeError("policy bug")
+
+    service = make_service(engine, images, clock, memory=Broken())
+    try:
+        sid = open_session(service)
+        reply, _ = run_until_reply(service, Client(), "q", query_body("a b"), sid_headers(sid))
+        assert reply.status == 200 and body_of(reply)["text"] == "a b"
+    finally:
+        service.close()
