@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> None:
         choices=["inprocess", "torchserve"],
     )
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args(argv)
 
