@@ -7,6 +7,7 @@ id such as `llava-hf/llava-1.5-7b-hf` (downloaded with huggingface_hub, with a p
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import subprocess
@@ -86,6 +87,35 @@ def build_archive(
         "--force",
     ]
     print(f"archiving {model_dir} -> {export_path}/{name} ({archive_format})", file=sys.stderr)
-    subprocess.run(cmd, check=True)
     suffix = {"no-archive": "", "default": ".mar", "tgz": ".tar.gz"}.get(archive_format, "")
-    return export_path / f"{name}{suffix}"
+    target = export_path / f"{name}{suffix}"
+    with subprocess.Popen(cmd) as proc:
+        _show_progress(proc, target, _size(model_dir))
+    if proc.returncode:
+        raise subprocess.CalledProcessError(proc.returncode, cmd)
+    return target
+
+
+def _size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
+
+
+def _show_progress(proc: subprocess.Popen, target: Path, total: int) -> None:
+    """Report how much of the archive is written while the archiver runs (weights are big)."""
+    from tqdm import tqdm
+
+    with tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        desc="archive",
+        file=sys.stderr,
+        disable=total < 64 * 1024 * 1024,
+    ) as bar:
+        while proc.poll() is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=1.0)
+            bar.update(max(0, min(total, _size(target)) - bar.n))
+        bar.update(max(0, total - bar.n) if proc.returncode == 0 else 0)

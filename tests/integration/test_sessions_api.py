@@ -145,7 +145,6 @@ def test_streaming_sends_deltas_then_usage(server, client, reference):
     image = make_image(13)
     sid = open_session(client, url, data_uri(image))
     body = {"type": "query", "prompt": "Tell me more.", "max_new_tokens": 16, "stream": True}
-    lines = []
     with client.stream("POST", url, json=body, headers={SESSION_HEADER: sid}) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("application/x-ndjson")
@@ -158,6 +157,28 @@ def test_streaming_sends_deltas_then_usage(server, client, reference):
     text = "".join(e["text"] for e in events[:-1])
     assert text == reference.answers(image, ["Tell me more."], 16)[0]
     assert events[-1]["usage"]["generated_tokens"] >= 1
+
+
+def test_a_long_stream_arrives_piece_by_piece(server, client):
+    """Chunks reach the client as they are generated, not all at the end."""
+    url = server.url("/predictions/llava")
+    sid = open_session(client, url, data_uri(make_image(15)))
+    body = {
+        "type": "query",
+        "prompt": "Go on.",
+        "max_new_tokens": 200,
+        "temperature": 2.0,
+        "seed": 5,
+        "stream": True,
+    }
+    arrivals = []
+    started = time.perf_counter()
+    with client.stream("POST", url, json=body, headers={SESSION_HEADER: sid}) as r:
+        for line in r.iter_lines():
+            if line:
+                arrivals.append(time.perf_counter() - started)
+    assert len(arrivals) > 20
+    assert arrivals[0] < arrivals[-1] / 4  # the first piece came long before the last
 
 
 def test_generate_answers_without_a_session(server, client, reference):

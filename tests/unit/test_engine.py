@@ -170,3 +170,28 @@ def test_past_the_host_budget_sessions_are_evicted(engine):
         with pytest.raises(SessionExpired, match="evicted"):
             store.get(sid)
     assert store.get(ids[2]).state is not None
+
+
+def test_two_replicas_pin_sessions_to_the_least_loaded_and_batch_per_replica(
+    tiny_checkpoint, engine
+):
+    """The multi-GPU layout, exercised on CPU: one model copy per device, sessions pinned."""
+    from transformers import LlavaForConditionalGeneration
+
+    from llava.engine.state import Replica
+
+    replicas = [
+        Replica(LlavaForConditionalGeneration.from_pretrained(tiny_checkpoint).eval(), r.device)
+        for r in engine.replicas * 2
+    ]
+    two = LlavaEngine(engine.processor, replicas, ServerConfig(device="cpu"))
+    images = [make_image(40 + i) for i in range(4)]
+    states = [two.open_session(image) for image in images]
+    assert [s.replica for s in states] == [replicas[0], replicas[1], replicas[0], replicas[1]]
+    alone = [answer(engine, engine.open_session(image), PROMPTS[0]).generated for image in images]
+    turns = [two.start_turn(s, PROMPTS[0], GREEDY) for s in states]
+    while not all(t.done for t in turns):
+        assert not two.step(turns)
+    assert [t.generated for t in turns] == alone
+    two.release(states[0])
+    assert two.open_session(images[0]).replica is replicas[0]  # the least loaded again
