@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,26 @@ def model_store(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory)
 
 def start_server(store: Path, workdir: Path, **env: str) -> TorchServe:
     return TorchServe(store, "llava", workdir=workdir, env=env).start()
+
+
+@contextmanager
+def running_servers(
+    store: Path, tmp_path_factory: pytest.TempPathFactory, count: int, prefix: str
+) -> Iterator[list[TorchServe]]:
+    """Start `count` TorchServes side by side; at the end none may show a worker death."""
+    with ThreadPoolExecutor(count) as pool:
+        futures = [
+            pool.submit(start_server, store, tmp_path_factory.mktemp(f"{prefix}-{i}"))
+            for i in range(count)
+        ]
+        servers = [f.result() for f in futures]
+    try:
+        yield servers
+        for ts in servers:
+            assert_no_worker_death(ts)
+    finally:
+        for ts in servers:
+            ts.stop()
 
 
 def assert_no_worker_death(server: TorchServe) -> None:

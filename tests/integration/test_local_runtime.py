@@ -16,7 +16,7 @@ import boto3
 import pytest
 from botocore.config import Config
 from botocore.exceptions import ClientError
-from conftest import assert_no_worker_death, start_server
+from conftest import running_servers
 from helpers import Reference, data_uri, make_image
 
 from llava.client import EndpointError, SessionClient
@@ -36,19 +36,8 @@ def reference(tiny_checkpoint):
 
 @pytest.fixture(scope="module")
 def instances(model_store, tmp_path_factory):
-    with ThreadPoolExecutor(2) as pool:
-        futures = [
-            pool.submit(start_server, model_store, tmp_path_factory.mktemp(f"ts-{i}"))
-            for i in range(2)
-        ]
-        servers = [f.result() for f in futures]
-    try:
+    with running_servers(model_store, tmp_path_factory, 2, "ts") as servers:
         yield servers
-        for ts in servers:
-            assert_no_worker_death(ts)
-    finally:
-        for ts in servers:
-            ts.stop()
 
 
 @pytest.fixture(scope="module")

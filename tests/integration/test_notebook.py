@@ -21,12 +21,11 @@ import json
 import os
 import sys
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import assert_no_worker_death, start_server
+from conftest import running_servers
 from helpers import Reference
 
 from llava.launcher import TorchServe
@@ -76,19 +75,8 @@ print({RESULT_MARKER!r} + json.dumps({{
 
 @pytest.fixture(scope="module")
 def instances(model_store: Path, tmp_path_factory) -> Iterator[list[TorchServe]]:
-    with ThreadPoolExecutor(2) as pool:
-        futures = [
-            pool.submit(start_server, model_store, tmp_path_factory.mktemp(f"nb-ts-{i}"))
-            for i in range(2)
-        ]
-        servers = [f.result() for f in futures]
-    try:
+    with running_servers(model_store, tmp_path_factory, 2, "nb-ts") as servers:
         yield servers
-        for ts in servers:
-            assert_no_worker_death(ts)
-    finally:
-        for ts in servers:
-            ts.stop()
 
 
 @pytest.fixture(scope="module")
