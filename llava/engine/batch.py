@@ -10,52 +10,9 @@ answers' own caches and restacked: a copy per membership change, not per step.
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
+from llava.engine.cache import assign, batch_cache
 from llava.engine.state import Turn
-
-
-class _PreallocatedLayer(DynamicLayer):
-    """A cache layer with spare room: each step writes its keys/values in place.
-
-    The stock layer concatenates the whole cache on every step, a full copy per token; here the
-    copy happens only when the spare room runs out (and then grows by half).
-    """
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
-        super().__init__()
-        self.lazy_initialization(keys, values)
-        self._keys, self._values, self._length = keys, values, length
-        self._expose()
-
-    def _expose(self) -> None:
-        self.keys = self._keys[:, :, : self._length]
-        self.values = self._values[:, :, : self._length]
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        new = key_states.shape[-2]
-        if self._length + new > self._keys.shape[2]:
-            room = max(new, self._keys.shape[2] // 2)
-            self._keys = _widen(self._keys, room)
-            self._values = _widen(self._values, room)
-        end = self._length + new
-        self._keys[:, :, self._length : end] = key_states
-        self._values[:, :, self._length : end] = value_states
-        self._length = end
-        self._expose()
-        return self.keys, self.values
-
-    def get_seq_length(self) -> int:
-        return self._length
-
-
-def _widen(tensor: torch.Tensor, extra: int) -> torch.Tensor:
-    shape = list(tensor.shape)
-    shape[2] = extra
-    return torch.cat([tensor, tensor.new_zeros(shape)], dim=2)
 
 
 class DecodeBatch:
@@ -68,11 +25,16 @@ class DecodeBatch:
         self._pad = [width - n for n in self._lengths]
         self._steps = 0
         room = width + max((t.max_new_tokens - len(t.generated) for t in turns), default=0) + 1
-        self.cache = DynamicCache()
-        for layer_idx in range(len(turns[0].cache.layers)):
-            keys = self._stack([t.cache.layers[layer_idx].keys for t in turns], room)
-            values = self._stack([t.cache.layers[layer_idx].values for t in turns], room)
-            self.cache.layers.append(_PreallocatedLayer(keys, values, width))
+        self.cache = batch_cache(
+            [
+                (
+                    self._stack([t.cache.layers[i].keys for t in turns], room),
+                    self._stack([t.cache.layers[i].values for t in turns], room),
+                )
+                for i in range(len(turns[0].cache.layers))
+            ],
+            width,
+        )
         device = turns[0].cache.layers[0].keys.device
         self._mask = torch.zeros(len(turns), width, dtype=torch.long, device=device)
         for row, pad in enumerate(self._pad):
@@ -121,6 +83,9 @@ class DecodeBatch:
             start = self._pad[row]
             stop = start + self._lengths[row] + self._steps
             for batched, own in zip(self.cache.layers, turn.cache.layers, strict=True):
-                own.keys = batched.keys[row : row + 1, :, start:stop].clone()
-                own.values = batched.values[row : row + 1, :, start:stop].clone()
+                assign(
+                    own,
+                    batched.keys[row : row + 1, :, start:stop].clone(),
+                    batched.values[row : row + 1, :, start:stop].clone(),
+                )
         self.turns = []

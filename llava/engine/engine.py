@@ -29,9 +29,10 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from llava.config import ServerConfig
 from llava.engine.batch import DecodeBatch
+from llava.engine.cache import assign, move_cache, new_cache
 from llava.engine.chat import ChatFormatter
 from llava.engine.sampling import Detokenizer, make_generator, next_token
-from llava.engine.state import Replica, SessionState, Tier, Turn, cache_tensors
+from llava.engine.state import Replica, SessionState, Tier, Turn
 from llava.errors import InvalidRequest
 from llava.protocol import GenerationParams
 
@@ -74,6 +75,7 @@ class LlavaEngine:
         self.chat = ChatFormatter(processor)
         text_config = replicas[0].model.config.get_text_config()
         self.max_context = config.max_context_tokens or text_config.max_position_embeddings
+        self.num_layers = text_config.num_hidden_layers
         eos = replicas[0].model.generation_config.eos_token_id
         if eos is None:
             eos = self.tokenizer.eos_token_id
@@ -137,7 +139,7 @@ class LlavaEngine:
             return SessionState(
                 replica, system_prompt, ids, len(ids), features.to(HOST), tier=Tier.FEATURES
             )
-        cache = DynamicCache()
+        cache = new_cache(self.num_layers)
         model(
             input_ids=inputs["input_ids"].to(replica.device),
             mm_encoder_outputs=_image_input(features),
@@ -161,13 +163,14 @@ class LlavaEngine:
         state.replica.sessions -= 1
         state.cache = state.pixel_values = None
 
+    @torch.inference_mode()  # the caches are inference tensors: edit them in this mode
     def offload(self, state: SessionState) -> int:
         """Move a session's cache to host memory; return the device bytes freed."""
         if state.tier is not Tier.DEVICE or state.cache is None:
             return 0
         freed = state.device_bytes
         pin = state.replica.device.type == "cuda"
-        _move_cache(state.cache, HOST, pin=pin)
+        move_cache(state.cache, HOST, pin=pin)
         state.tier = Tier.HOST
         return freed
 
@@ -181,13 +184,14 @@ class LlavaEngine:
         """Bring a session's cache back to its device (or empty, to be recomputed)."""
         found = state.tier
         if state.tier is Tier.HOST and state.cache is not None:
-            _move_cache(state.cache, state.replica.device)
+            move_cache(state.cache, state.replica.device)
         elif state.cache is None and self.keeps_kv:
-            state.cache = DynamicCache()
+            state.cache = new_cache(self.num_layers)
         state.tier = Tier.DEVICE
         return found
 
     # -- turns -----------------------------------------------------------------------------
+    @torch.inference_mode()
     def start_turn(
         self, state: SessionState, prompt: str, params: GenerationParams, *, history: bool = True
     ) -> Turn:
@@ -209,11 +213,11 @@ class LlavaEngine:
             )
         found = self._restore(state)
         if not self.keeps_kv:
-            cache = DynamicCache()
+            cache = new_cache(self.num_layers)
         elif history:
             cache = state.cache
         else:
-            cache = _prefix_copy(state.cache, state.prefix_len)
+            cache = self._prefix_copy(state.cache, state.prefix_len)
         start_len = cache.get_seq_length()
         pending = base[start_len:] + new_ids
         return Turn(
@@ -341,6 +345,7 @@ class LlavaEngine:
             if any(t is turn for t in batch.turns):
                 self._split(replica_idx)
 
+    @torch.inference_mode()
     def finish_turn(self, turn: Turn) -> None:
         """Commit a finished answer to the session's main line (branches leave no trace)."""
         self._detach(turn)
@@ -350,6 +355,7 @@ class LlavaEngine:
         state.token_ids = state.token_ids + turn.new_ids + turn.generated
         state.history.append((turn.prompt, turn.text))
 
+    @torch.inference_mode()
     def abort_turn(self, turn: Turn) -> None:
         """Drop an unfinished answer and roll the session's cache back to before it."""
         self._detach(turn)
@@ -358,6 +364,14 @@ class LlavaEngine:
         extra = turn.cache.get_seq_length() - turn.start_len
         if extra > 0:
             turn.cache.crop(-extra)
+
+    def _prefix_copy(self, cache: DynamicCache, length: int) -> DynamicCache:
+        """Return a new cache holding the first `length` positions of `cache` (shares nothing)."""
+        branch = new_cache(self.num_layers)
+        if cache.get_seq_length() >= length:
+            for own, layer in zip(branch.layers, cache.layers, strict=True):
+                assign(own, layer.keys[..., :length, :], layer.values[..., :length, :])
+        return branch
 
     def _tokenize(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -368,26 +382,4 @@ def _image_input(features: torch.Tensor) -> dict[str, BaseModelOutputWithPooling
     return {"image": BaseModelOutputWithPooling(pooler_output=[features])}
 
 
-def _move_cache(cache: DynamicCache, device: torch.device, *, pin: bool = False) -> None:
-    for layer in cache.layers:
-        for name in ("keys", "values"):
-            tensor = getattr(layer, name, None)
-            if tensor is None:
-                continue
-            moved = tensor.to(device)
-            setattr(layer, name, moved.pin_memory() if pin else moved)
-        layer.device = device
-
-
-def _prefix_copy(cache: DynamicCache, length: int) -> DynamicCache:
-    """Return a new cache holding the first `length` positions of `cache` (shares nothing)."""
-    if cache.get_seq_length() < length:
-        return DynamicCache()
-    return DynamicCache(
-        ddp_cache_data=[
-            (layer.keys[..., :length, :], layer.values[..., :length, :]) for layer in cache.layers
-        ]
-    )
-
-
-__all__ = ["LlavaEngine", "SessionState", "Tier", "Turn", "cache_tensors"]
+__all__ = ["LlavaEngine", "SessionState", "Tier", "Turn"]

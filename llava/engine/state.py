@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from llava.engine.cache import cache_tensors
 from llava.engine.sampling import Detokenizer
 from llava.protocol import GenerationParams
 
@@ -34,18 +35,6 @@ class Replica:
 def tensor_bytes(tensors: Any) -> int:
     """Count the bytes of an iterable of tensors (None entries are skipped)."""
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-
-def cache_tensors(cache: DynamicCache | None) -> list[torch.Tensor]:
-    """List a cache's key and value tensors."""
-    if cache is None:
-        return []
-    return [
-        t
-        for layer in cache.layers
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
-        if t is not None and t.numel()
-    ]
 
 
 @dataclass(eq=False)

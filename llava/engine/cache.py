@@ -1,0 +1,161 @@
+"""KV caches that grow in place, so a forward pass does not copy the whole cache.
+
+transformers' stock `DynamicLayer` concatenates its keys and values with every new token: each
+decode step and each follow-up prefill copies the session's entire cache. These layers keep
+spare room and write new positions in place; they copy only when the room runs out, and then
+grow by a chunk, not by half, so an idle session holds little unused memory.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+CHUNK = 64  # tokens of spare room added when a cache runs out
+
+
+class PreallocatedLayer(DynamicLayer):
+    """A cache layer over buffers with spare room; `keys`/`values` are views of the used part."""
+
+    def __init__(
+        self,
+        keys: torch.Tensor | None = None,
+        values: torch.Tensor | None = None,
+        length: int = 0,
+    ) -> None:
+        super().__init__()
+        self._keys, self._values, self._length = keys, values, length
+        if keys is not None:
+            self.lazy_initialization(keys, values)
+            self._expose()
+
+    def _expose(self) -> None:
+        self.keys = self._keys[:, :, : self._length]
+        self.values = self._values[:, :, : self._length]
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        new = key_states.shape[-2]
+        if self._keys is None:
+            self.lazy_initialization(key_states, value_states)
+            self._keys = _empty_like(key_states, new + CHUNK)
+            self._values = _empty_like(value_states, new + CHUNK)
+        elif self._length + new > self._keys.shape[2]:
+            extra = self._length + new - self._keys.shape[2] + CHUNK
+            self._keys = _widen(self._keys, extra)
+            self._values = _widen(self._values, extra)
+        end = self._length + new
+        self._keys[:, :, self._length : end] = key_states
+        self._values[:, :, self._length : end] = value_states
+        self._length = end
+        self._expose()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self._length
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last `-tokens_to_remove` positions (transformers' negative convention)."""
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative number of tokens to remove")
+        self._length = max(0, self._length + tokens_to_remove)
+        if self._keys is not None:
+            self._expose()
+
+    def assign(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Replace the contents, reusing the buffers when they are large enough."""
+        length = keys.shape[2]
+        if self._keys is None or self._keys.shape[2] < length or self._keys.shape[0] != 1:
+            if self._keys is None:
+                self.lazy_initialization(keys, values)
+            self._keys = _empty_like(keys, length + CHUNK)
+            self._values = _empty_like(values, length + CHUNK)
+        self._keys[:, :, :length] = keys
+        self._values[:, :, :length] = values
+        self._length = length
+        self._expose()
+
+    def move(self, device: torch.device, *, pin: bool = False) -> None:
+        """Move the buffers (with their spare room) to `device`."""
+        if self._keys is None:
+            return
+        self._keys, self._values = (
+            _pinned(t.to(device)) if pin else t.to(device) for t in (self._keys, self._values)
+        )
+        self.device = device
+        self._expose()
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Return the allocated tensors (what the layer really holds in memory)."""
+        return [t for t in (self._keys, self._values) if t is not None]
+
+
+def new_cache(num_layers: int) -> DynamicCache:
+    """Return an empty cache whose layers grow in place."""
+    cache = DynamicCache()
+    cache.layers = [PreallocatedLayer() for _ in range(num_layers)]
+    return cache
+
+
+def batch_cache(layers: list[tuple[torch.Tensor, torch.Tensor]], length: int) -> DynamicCache:
+    """Wrap preallocated per-layer buffers (already holding `length` positions) as a cache."""
+    cache = DynamicCache()
+    cache.layers = [PreallocatedLayer(k, v, length) for k, v in layers]
+    return cache
+
+
+def assign(layer: DynamicLayer, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Set a layer's contents, whatever kind of layer it is."""
+    if isinstance(layer, PreallocatedLayer):
+        layer.assign(keys, values)
+    else:
+        layer.keys, layer.values = keys, values
+
+
+def move_cache(cache: DynamicCache, device: torch.device, *, pin: bool = False) -> None:
+    """Move every layer of a cache to `device` (pinned host memory when `pin`)."""
+    for layer in cache.layers:
+        if isinstance(layer, PreallocatedLayer):
+            layer.move(device, pin=pin)
+            continue
+        for name in ("keys", "values"):
+            tensor = getattr(layer, name, None)
+            if tensor is not None:
+                moved = tensor.to(device)
+                setattr(layer, name, _pinned(moved) if pin else moved)
+        layer.device = device
+
+
+def cache_tensors(cache: DynamicCache | None) -> list[torch.Tensor]:
+    """List the tensors a cache holds in memory (buffers, spare room included)."""
+    if cache is None:
+        return []
+    out: list[torch.Tensor] = []
+    for layer in cache.layers:
+        if isinstance(layer, PreallocatedLayer):
+            out.extend(layer.buffers())
+        else:
+            out.extend(
+                t
+                for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+                if t is not None and t.numel()
+            )
+    return out
+
+
+def _empty_like(tensor: torch.Tensor, length: int) -> torch.Tensor:
+    shape = list(tensor.shape)
+    shape[2] = length
+    return tensor.new_zeros(shape)
+
+
+def _widen(tensor: torch.Tensor, extra: int) -> torch.Tensor:
+    shape = list(tensor.shape)
+    shape[2] = extra
+    return torch.cat([tensor, tensor.new_zeros(shape)], dim=2)
+
+
+def _pinned(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.pin_memory() if tensor.device.type == "cpu" else tensor
