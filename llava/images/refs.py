@@ -1,0 +1,41 @@
+"""Parse image references and describe them for logs without leaking their content."""
+
+from __future__ import annotations
+
+import re
+
+_HINT = "send the image inline as base64 instead"
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]{0,31}):")
+
+
+def _scheme_of(ref: str) -> str | None:
+    """Return the lower-cased scheme of a reference, or None for bare base64."""
+    # Base64 never contains ':', so anything with a scheme-shaped prefix is a URI.
+    match = _SCHEME.match(ref)
+    return match.group(1).lower() if match else None
+
+
+def _clean(text: str, limit: int) -> str:
+    """Keep only characters that are safe in a log line, and at most `limit` of them."""
+    return re.sub(r"[^A-Za-z0-9.\-_:\[\]+/]", "", text[: limit * 4])[:limit]
+
+
+def describe_ref(ref: str) -> str:
+    """Describe an image reference for logs: scheme and host only, never path, query or data."""
+    if not isinstance(ref, str):
+        return "<non-string image reference>"
+    text = ref.strip()
+    if not text:
+        return "<empty image reference>"
+    scheme = _scheme_of(text)
+    if scheme is None:
+        return f"base64 ({len(text)} chars)"
+    if scheme == "data":
+        media = text[5:69].split(",", 1)[0].split(";", 1)[0]
+        return f"data:{_clean(media, 32)} ({len(text)} chars)"
+    if scheme in ("http", "https", "s3"):
+        rest = text[len(scheme) + 1 : len(scheme) + 1 + 512].lstrip("/\\")
+        authority = re.split(r"[/?#\\]", rest, maxsplit=1)[0]
+        host = _clean(authority.rpartition("@")[2].lower(), 60) or "<no host>"
+        return f"{scheme}://{host}"[:80]
+    return f"{_clean(scheme, 32)}: reference (unsupported scheme)"

@@ -1,0 +1,110 @@
+"""Fetch s3://bucket/key images through a lazily imported boto3 client, within limits."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from llava.errors import ImageError, ImageFetchError, ImageForbidden, InvalidRequest, KitError
+from llava.images.limits import _CHUNK, _read_limited, _too_many_bytes
+from llava.images.policy import ImagePolicy
+from llava.images.refs import _HINT, _clean, describe_ref
+
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+
+
+def _default_s3_client(policy: ImagePolicy) -> Any:
+    """Build a boto3 S3 client with the policy's timeouts."""
+    try:
+        import boto3
+        from botocore.config import Config
+    except ImportError:
+        raise ImageError(
+            "s3:// image references need boto3 on the server (pip install "
+            f"'llava-sessions[aws]'); or {_HINT}"
+        ) from None
+    config = Config(
+        connect_timeout=policy.connect_timeout_s,
+        read_timeout=policy.read_timeout_s,
+        retries={"max_attempts": 2},
+    )
+    return boto3.client("s3", config=config)
+
+
+def _s3_error_code(exc: Exception) -> str:
+    """Pull the S3 error code (NoSuchKey, AccessDenied, ...) out of a botocore error."""
+    response = getattr(exc, "response", None)
+    error = response.get("Error") if isinstance(response, dict) else None
+    if isinstance(error, dict) and error.get("Code"):
+        return _clean(str(error["Code"]), 40)
+    return type(exc).__name__
+
+
+class _S3Fetch:
+    """ImageLoader's s3:// half: one shared client, the byte limit enforced while reading."""
+
+    policy: ImagePolicy
+    _lock: threading.Lock
+    _s3_client: Any
+    _s3_factory: Callable[[], Any]
+
+    def _s3(self) -> Any:
+        """Return the S3 client, creating it once (boto3 clients are thread-safe)."""
+        with self._lock:
+            if self._s3_client is None:
+                self._s3_client = self._s3_factory()
+            return self._s3_client
+
+    def _fetch_s3(self, text: str) -> bytes:
+        """Download an s3://bucket/key object within the byte limit."""
+        where = describe_ref(text)
+        if not self.policy.allow_s3:
+            raise ImageForbidden(f"s3:// image references are disabled here; {_HINT}")
+        bucket, _, key = text[5:].partition("/")
+        if not _BUCKET.fullmatch(bucket) or not key:
+            raise InvalidRequest(
+                f"malformed S3 reference {where}; write it as s3://bucket/path/to/image.png"
+            )
+        deadline = time.monotonic() + self.policy.total_timeout_s
+        try:
+            body = self._s3().get_object(Bucket=bucket, Key=key)
+        except KitError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - boto3 raises its own tree; report its code
+            raise ImageFetchError(
+                f"could not read {where}: {_s3_error_code(exc)}; check the bucket, key and "
+                "that the endpoint's role may read it",
+            ) from None
+        stream = body.get("Body") if isinstance(body, dict) else None
+        if stream is None:
+            raise ImageFetchError(f"S3 returned no body for {where}")
+        try:
+            declared = body.get("ContentLength")
+            if isinstance(declared, int) and declared > self.policy.max_bytes:
+                raise _too_many_bytes(f"image at {where}", self.policy.max_bytes)
+            return _read_limited(
+                self._s3_chunks(stream), self.policy.max_bytes, deadline, f"image at {where}"
+            )
+        except KitError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - connection errors mid-body, any flavour
+            raise ImageFetchError(
+                f"reading {where} failed midway ({_s3_error_code(exc)}); try again"
+            ) from None
+        finally:
+            close = getattr(stream, "close", None)
+            if callable(close):
+                close()
+
+    def _s3_chunks(self, stream: Any) -> Iterable[bytes]:
+        """Yield body chunks, never asking for more than one byte past the limit."""
+        remaining = self.policy.max_bytes + 1
+        while remaining > 0:
+            chunk = stream.read(min(_CHUNK, remaining))
+            if not chunk:
+                return
+            remaining -= len(chunk)
+            yield chunk
