@@ -59,6 +59,17 @@ def delete(
         report.missing.append(what)
         progress(f"{what}: not found (already deleted)")
 
+    def remove(call: Any, what: str, **params: Any) -> bool:
+        """Delete one resource; report it gone and return False if it already was."""
+        try:
+            call(**params)
+        except Exception as exc:
+            if not _is_missing(exc):
+                raise
+            gone(what)
+            return False
+        return True
+
     endpoint = _describe_or_none(sm.describe_endpoint, EndpointName=name)
     pattern = _stamp_pattern(name)
     config_names: list[str] = []
@@ -97,12 +108,8 @@ def delete(
             )
             if desc and desc.get("Specification", {}).get("ModelName"):
                 model_names.append(desc["Specification"]["ModelName"])
-            try:
-                sm.delete_inference_component(InferenceComponentName=ic_name)
-            except Exception as exc:
-                if not _is_missing(exc):
-                    raise
-                gone(f"inference component {ic_name}")
+            what = f"inference component {ic_name}"
+            if not remove(sm.delete_inference_component, what, InferenceComponentName=ic_name):
                 continue
             if wait:
                 _wait_gone(
@@ -112,13 +119,7 @@ def delete(
                 )
             done(f"inference component {ic_name}")
 
-    try:
-        sm.delete_endpoint(EndpointName=name)
-    except Exception as exc:
-        if not _is_missing(exc):
-            raise
-        gone(f"endpoint {name}")
-    else:
+    if remove(sm.delete_endpoint, f"endpoint {name}", EndpointName=name):
         if wait:
             _wait_gone(
                 lambda: sm.describe_endpoint(EndpointName=name), what=f"endpoint {name}", **waits
@@ -131,23 +132,14 @@ def delete(
     if not config_names:
         gone(f"endpoint config for {name}")
     for config_name in config_names:
-        try:
-            sm.delete_endpoint_config(EndpointConfigName=config_name)
-            done(f"endpoint config {config_name}")
-        except Exception as exc:
-            if not _is_missing(exc):
-                raise
-            gone(f"endpoint config {config_name}")
+        what = f"endpoint config {config_name}"
+        if remove(sm.delete_endpoint_config, what, EndpointConfigName=config_name):
+            done(what)
     if not model_names:
         gone(f"model for {name}")
     for model_name in dict.fromkeys(model_names):
-        try:
-            sm.delete_model(ModelName=model_name)
+        if remove(sm.delete_model, f"model {model_name}", ModelName=model_name):
             done(f"model {model_name}")
-        except Exception as exc:
-            if not _is_missing(exc):
-                raise
-            gone(f"model {model_name}")
 
     if s3_uri:
         bucket, prefix = parse_s3_uri(s3_uri)
