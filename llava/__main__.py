@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from llava.archive import add_model_arguments
+
 
 def _archive(args: argparse.Namespace) -> None:
     from llava.archive import build_archive, resolve_model
@@ -51,16 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     archive = commands.add_parser("archive", help="build the TorchServe model archive")
-    archive.add_argument(
-        "--model",
-        default="tiny",
-        help="tiny | llava15 (random weights) | a checkpoint directory | a Hugging Face id "
-        "such as llava-hf/llava-1.5-7b-hf (default: tiny)",
-    )
+    add_model_arguments(archive)
     archive.add_argument("--out", default="model-store", help="export directory")
     archive.add_argument("--name", default="llava", help="model name in TorchServe")
     archive.add_argument("--format", default="no-archive", choices=["no-archive", "default", "tgz"])
-    archive.add_argument("--cache-dir", default="build/models", help="where checkpoints go")
     archive.set_defaults(run=_archive)
 
     tiny = commands.add_parser("build-tiny", help="write a random-weight LLaVA checkpoint")

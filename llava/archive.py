@@ -7,6 +7,7 @@ id such as `llava-hf/llava-1.5-7b-hf` (downloaded with huggingface_hub, with a p
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 import shutil
@@ -22,6 +23,17 @@ MODEL_CONFIG = ROOT / "handler" / "model-config.yaml"
 BUILTIN_PROFILES = ("tiny", "llava15")
 # Only what from_pretrained needs: skips the .bin duplicates and training files many repos hold.
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "tokenizer*"]
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the `--model` and `--cache-dir` options every archive-building command takes."""
+    parser.add_argument(
+        "--model",
+        default="tiny",
+        help="tiny | llava15 (random weights) | a checkpoint directory | a Hugging Face id "
+        "such as llava-hf/llava-1.5-7b-hf (default: tiny)",
+    )
+    parser.add_argument("--cache-dir", default="build/models", help="where checkpoints go")
 
 
 def resolve_model(source: str, cache_dir: str | Path = "build/models") -> Path:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Any
 
+from llava.archive import add_model_arguments
 from llava.deploy.aws import _describe_or_none
 from llava.deploy.discover import discover_bucket, discover_role
 from llava.deploy.endpoint import Deployment, deploy
@@ -37,13 +38,7 @@ def add_deploy_arguments(parser: Any) -> None:
     parser.add_argument(
         "--prefix", help="S3 prefix for the model data (default: llava-sessions/<name>/<UTC time>)"
     )
-    parser.add_argument(
-        "--model",
-        default="tiny",
-        help="tiny | llava15 (random weights) | a checkpoint directory | a Hugging Face id such "
-        "as llava-hf/llava-1.5-7b-hf (default: tiny)",
-    )
-    parser.add_argument("--cache-dir", default="build/models", help="where checkpoints go")
+    add_model_arguments(parser)
     parser.add_argument(
         "--archive", help="upload this unpacked archive (with MAR-INF) instead of building one"
     )
