@@ -150,6 +150,7 @@ class SessionStore:
         self._ended: OrderedDict[str, str] = OrderedDict()
         self._reaper: threading.Thread | None = None
         self._stop = threading.Event()
+        self._version = 0  # bumped whenever a session is added, used, shrunk or ended
 
     # -- opening ---------------------------------------------------------------------------
     def reserve(self) -> Slot:
@@ -179,6 +180,7 @@ class SessionStore:
             self._slots.discard(slot.id)
             session = Session(slot.id, state, nbytes, self._clock(), info=dict(info))
             self._sessions[slot.id] = session
+            self._version += 1
             self._note("opened", session.id, self.expires_at(session))
             self._enforce_budget(keep=session.id)
             return session
@@ -206,6 +208,7 @@ class SessionStore:
                     f"session {sid} is already answering a question; wait for that answer"
                 )
             session.busy = True
+            self._version += 1
             return session
 
     def end_turn(self, session: Session, nbytes: int | None = None) -> None:
@@ -213,6 +216,7 @@ class SessionStore:
         with self._lock:
             session.busy = False
             session.last_used = self._clock()
+            self._version += 1
             if nbytes is not None:
                 session.nbytes = nbytes
             if session.closing:
@@ -308,6 +312,11 @@ class SessionStore:
                 "bytes": sum(s.nbytes for s in self._sessions.values()),
             }
 
+    @property
+    def version(self) -> int:
+        """A number that changes whenever the sessions or their memory may have changed."""
+        return self._version
+
     def snapshot(self) -> list[Session]:
         """Return the open sessions, least recently used first."""
         with self._lock:
@@ -336,6 +345,7 @@ class SessionStore:
         """Remove a session from use; free it now, or when its running answer ends."""
         self._remember(session.id, reason)
         self._note("ended", session.id)
+        self._version += 1
         if session.busy:
             session.closing = True
         else:

@@ -71,6 +71,7 @@ class SessionHandler:
         self.config: ServerConfig | None = None
         self.memory: Any = None
         self._last_tiers: dict[str, Any] | None = None
+        self._reported_version: int | None = None
 
     def initialize(self, context: Any) -> None:
         """Build config, engine, session store and image loader from the model archive."""
@@ -130,11 +131,15 @@ class SessionHandler:
         metrics = getattr(context, "metrics", None)
         if self.memory is None or metrics is None:
             return
+        store = self.service.store
+        if store.version == self._reported_version:
+            return  # nothing changed since the last step: skip walking every cache
+        self._reported_version = store.version
         try:
             from ts.metrics.dimension import Dimension
             from ts.metrics.metric_type_enum import MetricTypes
 
-            tiers = self.memory.tiers(self.service.store.snapshot())
+            tiers = self.memory.tiers(store.snapshot())
             if tiers == self._last_tiers:
                 return
             self._last_tiers = tiers
