@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from llava.archive import add_model_arguments
+from llava.tiny.profiles import PROFILES
 
 
 def _archive(args: argparse.Namespace) -> None:
@@ -61,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     tiny = commands.add_parser("build-tiny", help="write a random-weight LLaVA checkpoint")
     tiny.add_argument("out")
-    tiny.add_argument("--profile", default="tiny", choices=["tiny", "llava15"])
+    tiny.add_argument("--profile", default="tiny", choices=sorted(PROFILES))
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(run=_build_tiny)
 

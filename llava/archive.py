@@ -9,18 +9,22 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+from llava.families import check_model_type
+from llava.tiny.profiles import PROFILES
+
 log = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parent.parent
 HANDLER = ROOT / "handler" / "llava_handler.py"
 MODEL_CONFIG = ROOT / "handler" / "model-config.yaml"
-BUILTIN_PROFILES = ("tiny", "llava15")
+BUILTIN_PROFILES = tuple(PROFILES)
 # Only what from_pretrained needs: skips the .bin duplicates and training files many repos hold.
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "tokenizer*"]
 
@@ -74,8 +78,12 @@ def build_archive(
     archive_format: str = "no-archive",
     config_file: str | Path = MODEL_CONFIG,
 ) -> Path:
-    """Run torch-model-archiver over a checkpoint; return the archive's path."""
+    """Run torch-model-archiver over a checkpoint; return the archive's path.
+
+    A checkpoint of a family the kit does not serve is refused here, before anything is packed.
+    """
     model_dir, export_path = Path(model_dir), Path(export_path)
+    check_checkpoint(model_dir)
     export_path.mkdir(parents=True, exist_ok=True)
     archiver = shutil.which("torch-model-archiver") or str(
         Path(sys.executable).parent / "torch-model-archiver"
@@ -106,6 +114,18 @@ def build_archive(
     if proc.returncode:
         raise subprocess.CalledProcessError(proc.returncode, cmd)
     return target
+
+
+def check_checkpoint(model_dir: Path) -> None:
+    """Refuse a directory that is not a checkpoint of a supported llava-hf family."""
+    config_file = model_dir / "config.json"
+    if not config_file.is_file():
+        raise SystemExit(f"{model_dir} is not a checkpoint directory (no config.json)")
+    try:
+        model_type = json.loads(config_file.read_text()).get("model_type")
+        check_model_type(model_type, str(model_dir))
+    except (ValueError, AttributeError) as exc:
+        raise SystemExit(str(exc)) from None
 
 
 def _size(path: Path) -> int:

@@ -54,17 +54,56 @@ def ask(client: httpx.Client, url: str, sid: str, prompt: str, **params: Any) ->
 
 
 class Reference:
-    """Recompute a conversation from scratch for every turn with transformers' own generate."""
+    """The model's own pipeline, the oracle: `apply_chat_template` + processor + `generate`.
 
-    def __init__(self, checkpoint: Path) -> None:
-        from transformers import AutoProcessor, LlavaForConditionalGeneration
+    Shares nothing with the kit's engine: each answer is computed from the whole conversation
+    rendered as text, exactly as a stateless transformers user would.
+    """
 
-        from llava.engine.chat import ChatFormatter
+    def __init__(self, checkpoint: Path, dtype: Any = None) -> None:
+        from transformers import AutoModelForImageTextToText, AutoProcessor
 
         self.processor = AutoProcessor.from_pretrained(checkpoint)
-        self.model = LlavaForConditionalGeneration.from_pretrained(checkpoint).eval()
-        self.chat = ChatFormatter(self.processor)
-        self.eos = self.model.generation_config.eos_token_id
+        kwargs = {"dtype": dtype} if dtype is not None else {}
+        self.model = AutoModelForImageTextToText.from_pretrained(checkpoint, **kwargs).eval()
+
+    @staticmethod
+    def messages(
+        system_prompt: str | None, history: list[tuple[str, str]], prompt: str
+    ) -> list[dict[str, Any]]:
+        """Write a conversation as chat messages, the image with the first question."""
+        out: list[dict[str, Any]] = []
+        if system_prompt:
+            out.append({"role": "system", "content": [{"type": "text", "text": system_prompt}]})
+        for i, (question, answer) in enumerate([*history, (prompt, None)]):
+            content: list[dict[str, str]] = [{"type": "text", "text": question}]
+            if i == 0:
+                content.insert(0, {"type": "image"})
+            out.append({"role": "user", "content": content})
+            if answer is not None:
+                out.append({"role": "assistant", "content": [{"type": "text", "text": answer}]})
+        return out
+
+    def answer(
+        self,
+        images: list[Image.Image],
+        messages: list[dict[str, Any]],
+        max_new_tokens: int,
+    ) -> str:
+        """Answer one conversation greedily, from scratch."""
+        import torch
+
+        text = self.processor.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+        inputs = self.processor(images=images, text=text, return_tensors="pt")
+        inputs = {
+            k: v.to(self.model.dtype) if v.is_floating_point() else v for k, v in inputs.items()
+        }
+        with torch.inference_mode():
+            out = self.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+        generated = out[0, inputs["input_ids"].shape[1] :]
+        return self.processor.tokenizer.decode(generated, skip_special_tokens=True)
 
     def answers(
         self,
@@ -72,32 +111,16 @@ class Reference:
         prompts: list[str],
         max_new_tokens: int,
         system_prompt: str | None = None,
+        *,
+        history: bool = True,
     ) -> list[str]:
-        """Return the greedy answer to each prompt, each computed from the whole conversation."""
-        import torch
-
-        tokenizer = self.processor.tokenizer
-        inputs = self.processor(
-            images=image, text=self.chat.open_text(system_prompt), return_tensors="pt"
-        )
-        ids = inputs["input_ids"][0].tolist()
-        history: list[tuple[str, str]] = []
+        """Answer each prompt in turn, each from the whole conversation so far."""
+        past: list[tuple[str, str]] = []
         answers = []
         for prompt in prompts:
-            text = self.chat.turn_text(system_prompt, history, prompt)
-            ids += tokenizer(text, add_special_tokens=False)["input_ids"]
-            with torch.inference_mode():
-                out = self.model.generate(
-                    input_ids=torch.tensor([ids]),
-                    pixel_values=inputs["pixel_values"],
-                    max_new_tokens=max_new_tokens,
-                    do_sample=False,
-                )
-            generated = out[0, len(ids) :].tolist()
-            if generated and generated[-1] == self.eos:
-                generated = generated[:-1]
-            answer = tokenizer.decode(generated, skip_special_tokens=True)
-            ids += generated
-            history.append((prompt, answer))
+            messages = self.messages(system_prompt, past if history else [], prompt)
+            answer = self.answer([image], messages, max_new_tokens)
+            if history:
+                past.append((prompt, answer))
             answers.append(answer)
         return answers

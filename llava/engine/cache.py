@@ -114,6 +114,18 @@ def assign(layer: DynamicLayer, keys: torch.Tensor, values: torch.Tensor) -> Non
         layer.keys, layer.values = keys, values
 
 
+def crop_to(cache: DynamicCache, length: int) -> None:
+    """Cut every layer to its first `length` positions.
+
+    A forward that failed part-way may have grown some layers and not others: each layer is
+    cut on its own, never by layer 0's length.
+    """
+    for layer in cache.layers:
+        current = layer.get_seq_length()
+        if current > length:
+            layer.crop(length - current)
+
+
 def move_cache(cache: DynamicCache, device: torch.device, *, pin: bool = False) -> None:
     """Move every layer of a cache to `device` (pinned host memory when `pin`)."""
     for layer in cache.layers:

@@ -1,21 +1,34 @@
-"""Turn a conversation into token-id deltas with the model's own chat template.
+"""Turn a conversation into the exact token ids the model's own pipeline would feed it.
 
-A session keeps token ids, never re-rendered text, so each turn must know only the text it adds:
-the template is rendered with a random marker where the new content starts and cut there. This
-works for any template that renders earlier messages the same whatever follows them (all LLaVA
-templates do); `ChatFormatter` raises `ValueError` at load time for one that does not.
+transformers' pipeline renders the whole conversation with the processor's chat template,
+replaces each image placeholder with as many image tokens as that image takes, and tokenizes the
+result in one call. Tokenizing a turn's text on its own gives different ids with SentencePiece
+(Metaspace) tokenizers (a word-start piece where the whole-text tokenization has none), so a
+session re-renders and re-tokenizes its whole conversation every turn and reuses its cache for
+the longest common prefix of the cached ids and the new ones (see `common_prefix`).
 """
 
 from __future__ import annotations
 
 import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 Message = dict[str, Any]
 
 
+@dataclass(frozen=True)
+class Exchange:
+    """One finished question and answer; `image` says the question came with a new image."""
+
+    prompt: str
+    answer: str
+    image: bool = False
+
+
 class ChatFormatter:
-    """Render the open prefix and each turn's added text with a processor's chat template."""
+    """Render conversations with a processor's chat template and tokenize them whole."""
 
     def __init__(self, processor: Any) -> None:
         if getattr(processor, "chat_template", None) is None:
@@ -24,54 +37,71 @@ class ChatFormatter:
                 "chat_template.jinja next to its processor files"
             )
         self._processor = processor
+        self._tokenizer = processor.tokenizer
+        self.image_token: str = processor.image_token
         self._mark = "MARK" + secrets.token_hex(8)  # random, so user text cannot collide
-        self.open_text(None)  # fail at load time, not on the first request
+        self.prefix_text(None)  # fail at load time, not on the first request
 
-    def open_text(self, system_prompt: str | None) -> str:
-        """Return the text before the first question: system prompt and the image."""
-        full = self._render(self._opening(system_prompt, self._mark), generation=True)
-        return full[: self._cut(full, self._mark)]
+    def messages(
+        self,
+        system_prompt: str | None,
+        history: Sequence[Exchange],
+        prompt: str,
+        *,
+        image: bool = False,
+    ) -> list[Message]:
+        """Build the chat messages: the session's image comes with the first question."""
+        out = [_message("system", system_prompt)] if system_prompt else []
+        questions = [(e.prompt, e.image) for e in history] + [(prompt, image)]
+        answers = [e.answer for e in history]
+        for i, (question, with_image) in enumerate(questions):
+            content: list[dict[str, str]] = []
+            if i == 0 or with_image:
+                content.append({"type": "image"})
+            content.append({"type": "text", "text": question})
+            out.append({"role": "user", "content": content})
+            if i < len(answers):
+                out.append(_message("assistant", answers[i]))
+        return out
 
-    def turn_text(
-        self, system_prompt: str | None, history: list[tuple[str, str]], prompt: str
-    ) -> str:
-        """Return the text a new question adds after `history` (pairs of prompt and answer)."""
-        if not history:
-            opening = self.open_text(system_prompt)
-            full = self._render(self._opening(system_prompt, prompt), generation=True)
-            if not full.startswith(opening):
-                raise ValueError(
-                    "chat template renders the opening differently once a prompt follows"
-                )
-            return full[len(opening) :]
-        messages = self._opening(system_prompt, history[0][0])
-        for i, (question, answer) in enumerate(history):
-            if i:
-                messages.append(_message("user", question))
-            last = i == len(history) - 1
-            messages.append(_message("assistant", self._mark if last else answer))
-        messages.append(_message("user", prompt))
-        full = self._render(messages, generation=True)
-        return full[self._cut(full, self._mark) + len(self._mark) :]
-
-    def _opening(self, system_prompt: str | None, first_text: str) -> list[Message]:
-        messages = [_message("system", system_prompt)] if system_prompt else []
-        messages.append(
-            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": first_text}]}
-        )
-        return messages
-
-    def _render(self, messages: list[Message], *, generation: bool) -> str:
+    def render(self, messages: list[Message]) -> str:
+        """Render messages as the model sees them, ending with the assistant's cue."""
         return self._processor.apply_chat_template(
-            messages, add_generation_prompt=generation, tokenize=False
+            messages, add_generation_prompt=True, tokenize=False
         )
 
-    @staticmethod
-    def _cut(text: str, mark: str) -> int:
-        at = text.find(mark)
+    def prefix_text(self, system_prompt: str | None) -> str:
+        """Return the text before the first question's words: system prompt and the image."""
+        full = self.render(self.messages(system_prompt, [], self._mark))
+        at = full.find(self._mark)
         if at < 0:
-            raise ValueError("chat template dropped the message text; it cannot be split in turns")
-        return at
+            raise ValueError("chat template dropped the message text; it cannot be served")
+        return full[:at]
+
+    def tokenize(self, text: str, image_tokens: Sequence[int]) -> list[int]:
+        """Tokenize rendered text as the processor does: each image placeholder expanded."""
+        parts = text.split(self.image_token)
+        if len(parts) - 1 != len(image_tokens):
+            raise ValueError(
+                f"the text has {len(parts) - 1} image placeholders for {len(image_tokens)} images"
+            )
+        expanded = parts[0]
+        for count, part in zip(image_tokens, parts[1:], strict=True):
+            expanded += self.image_token * count + part
+        return self._tokenizer(expanded)["input_ids"]
+
+    def count_tokens(self, text: str) -> int:
+        """Count the tokens of a piece of user text on its own (for the prompt limit)."""
+        return len(self._tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Return the length of the longest common prefix of two id sequences."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
 
 
 def _message(role: str, text: str) -> Message:

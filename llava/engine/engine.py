@@ -1,9 +1,11 @@
-"""The model engine: LLaVA from transformers, a KV cache per session, step-wise generation.
+"""The model engine: a llava-hf model, a KV cache per session, step-wise generation.
 
-Opening a session runs the vision tower and prefills the system prompt and image tokens once;
-each question then prefills only its own new tokens on top of the session's cache, and every
-`step()` advances all answers by one token: answers that are decoding on the same replica share
-one batched forward pass. A server can let new requests join between steps.
+Opening a session runs the vision tower once and prefills the system prompt and image tokens;
+each question re-renders the whole conversation with the model's chat template, tokenizes it
+whole (so the ids are exactly those of transformers' own pipeline), reuses the session's cache
+for the longest common prefix and prefills only the rest. Every `step()` advances each answer by
+one prefill chunk or one token; answers decoding on the same replica share one batched forward.
+A forward that fails leaves every cache as it was before it.
 
     engine = LlavaEngine.load("path/to/checkpoint", ServerConfig())
     state = engine.open_session(image, system_prompt=None)
@@ -18,50 +20,23 @@ processed image, and every question re-runs the vision tower and prefills the wh
 
 from __future__ import annotations
 
-import logging
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoProcessor, DynamicCache, LlavaForConditionalGeneration
-from transformers.modeling_outputs import BaseModelOutputWithPooling
+from transformers import AutoProcessor, DynamicCache
 
 from llava.config import ServerConfig
 from llava.engine.batch import DecodeBatch
-from llava.engine.cache import assign, move_cache, new_cache
-from llava.engine.chat import ChatFormatter
+from llava.engine.cache import assign, crop_to, move_cache, new_cache
+from llava.engine.chat import ChatFormatter, Exchange, common_prefix
+from llava.engine.loading import HOST, load_model, read_model_type, resolve_devices
 from llava.engine.sampling import Detokenizer, make_generator, next_token
 from llava.engine.state import Replica, SessionState, Tier, Turn
+from llava.engine.vision import embed, image_features, image_token_id, process_image
 from llava.errors import InvalidRequest
 from llava.protocol import GenerationParams
-
-log = logging.getLogger(__name__)
-
-HOST = torch.device("cpu")
-
-
-def resolve_devices(config: ServerConfig) -> list[torch.device]:
-    """List the devices to put a replica on: every visible GPU (capped), else the CPU."""
-    if config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available()):
-        return [HOST]
-    if not torch.cuda.is_available():
-        raise RuntimeError(f"device {config.device!r} asked for but CUDA is not available")
-    if config.device.startswith("cuda:"):
-        return [torch.device(config.device)]
-    count = torch.cuda.device_count()
-    if config.max_replicas:
-        count = min(count, config.max_replicas)
-    return [torch.device("cuda", i) for i in range(count)]
-
-
-def resolve_dtype(config: ServerConfig, device: torch.device) -> torch.dtype:
-    """Pick the weights' dtype: bf16 (or fp16) on GPU, fp32 on CPU, unless configured."""
-    if config.dtype != "auto":
-        return getattr(torch, config.dtype)
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.float32
 
 
 class LlavaEngine:
@@ -73,10 +48,12 @@ class LlavaEngine:
         self.replicas = replicas
         self.config = config
         self.chat = ChatFormatter(processor)
-        text_config = replicas[0].model.config.get_text_config()
+        model = replicas[0].model
+        self.image_token_id = image_token_id(model)
+        text_config = model.config.get_text_config()
         self.max_context = config.max_context_tokens or text_config.max_position_embeddings
         self.num_layers = text_config.num_hidden_layers
-        eos = replicas[0].model.generation_config.eos_token_id
+        eos = model.generation_config.eos_token_id
         if eos is None:
             eos = self.tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
@@ -86,26 +63,12 @@ class LlavaEngine:
     def load(cls, model_dir: str | Path, config: ServerConfig) -> LlavaEngine:
         """Load the processor and one model replica per device from a checkpoint directory."""
         model_dir = Path(model_dir)
-        if not (model_dir / "config.json").is_file():
-            raise FileNotFoundError(
-                f"{model_dir} has no config.json: point the archive at a LLaVA checkpoint "
-                "directory (see README, 'Serving real weights')"
-            )
+        read_model_type(model_dir)
         processor = AutoProcessor.from_pretrained(model_dir)
-        replicas = []
-        for device in resolve_devices(config):
-            started = time.perf_counter()
-            model = LlavaForConditionalGeneration.from_pretrained(
-                model_dir,
-                dtype=resolve_dtype(config, device),
-                attn_implementation=config.attn_implementation,
-            )
-            model.to(device).eval()
-            replicas.append(Replica(model, device))
-            log.info(
-                "loaded %s on %s in %.1f s", model_dir.name, device, time.perf_counter() - started
-            )
-        return cls(processor, replicas, config)
+        replicas = [Replica(load_model(model_dir, d, config), d) for d in resolve_devices(config)]
+        engine = cls(processor, replicas, config)
+        engine.self_check()
+        return engine
 
     @property
     def keeps_kv(self) -> bool:
@@ -121,47 +84,43 @@ class LlavaEngine:
         `prefill=False` keeps only the image features (a one-shot answer computes everything
         in its own first step).
         """
+        self._refuse_placeholder(system_prompt, "system_prompt")
         replica = min(self.replicas, key=lambda r: r.sessions)
-        inputs = self.processor(
-            images=image, text=self.chat.open_text(system_prompt), return_tensors="pt"
-        )
-        ids = inputs["input_ids"][0].tolist()
-        pixel_values = inputs["pixel_values"].to(replica.device, replica.model.dtype)
+        processed = process_image(self.processor, image, self.image_token_id)
+        prefix = self.chat.tokenize(self.chat.prefix_text(system_prompt), [processed.tokens])
+        state = SessionState(replica, system_prompt, [processed.tokens], len(prefix), None)
         if not self.keeps_kv:  # the reference design: keep the processed image on the device
+            processed.inputs = {k: v.to(replica.device) for k, v in processed.inputs.items()}
+            state.pixels = [processed]
             replica.sessions += 1
-            return SessionState(
-                replica, system_prompt, ids, len(ids), None, pixel_values=pixel_values
-            )
-        model = replica.model
-        features = torch.cat(model.get_image_features(pixel_values=pixel_values).pooler_output)
+            return state
+        state.features = image_features(replica.model, processed, replica.device).to(HOST)
         replica.sessions += 1
         if not prefill:
-            return SessionState(
-                replica, system_prompt, ids, len(ids), features.to(HOST), tier=Tier.FEATURES
-            )
-        cache = new_cache(self.num_layers)
-        model(
-            input_ids=inputs["input_ids"].to(replica.device),
-            mm_encoder_outputs=_image_input(features),
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        return SessionState(replica, system_prompt, ids, len(ids), features.to(HOST), cache)
+            state.tier = Tier.FEATURES
+            return state
+        state.cache = new_cache(self.num_layers)
+        try:
+            self._forward(replica, state.cache, prefix, state.features, 0)
+        except BaseException:
+            self.release(state)
+            raise
+        state.cache_ids = prefix
+        return state
 
     def replay(self, state: SessionState, history: list[tuple[str, str]]) -> None:
-        """Append past questions and answers to a state opened with `prefill=False`."""
+        """Give a state opened with `prefill=False` earlier questions and answers."""
         if state.cache is not None:
             raise ValueError("replay needs a state without a cache (open with prefill=False)")
-        for question, answer in history:
-            text = self.chat.turn_text(state.system_prompt, state.history, question)
-            state.token_ids = state.token_ids + self._tokenize(text) + self._tokenize(answer)
-            state.history.append((question, answer))
+        for question, _ in history:
+            self._refuse_placeholder(question, "history")
+        state.history = [Exchange(question, answer) for question, answer in history]
 
     def release(self, state: SessionState) -> None:
         """Free a session's state."""
         state.replica.sessions -= 1
-        state.cache = state.pixel_values = None
+        state.cache = state.pixels = None
+        state.cache_ids = []
 
     @torch.inference_mode()  # the caches are inference tensors: edit them in this mode
     def offload(self, state: SessionState) -> int:
@@ -177,7 +136,7 @@ class LlavaEngine:
     def drop_cache(self, state: SessionState) -> int:
         """Keep only the image features of a session; return the bytes freed."""
         freed = state.cache_bytes
-        state.cache, state.tier = None, Tier.FEATURES
+        state.cache, state.cache_ids, state.tier = None, [], Tier.FEATURES
         return freed
 
     def _restore(self, state: SessionState) -> Tier:
@@ -186,7 +145,7 @@ class LlavaEngine:
         if state.tier is Tier.HOST and state.cache is not None:
             move_cache(state.cache, state.replica.device)
         elif state.cache is None and self.keeps_kv:
-            state.cache = new_cache(self.num_layers)
+            state.cache, state.cache_ids = new_cache(self.num_layers), []
         state.tier = Tier.DEVICE
         return found
 
@@ -195,16 +154,19 @@ class LlavaEngine:
     def start_turn(
         self, state: SessionState, prompt: str, params: GenerationParams, *, history: bool = True
     ) -> Turn:
-        """Tokenize a question's new text and prepare its answer; no model work yet."""
-        past = state.history if history else []
-        new_ids = self._tokenize(self.chat.turn_text(state.system_prompt, past, prompt))
-        if len(new_ids) > self.config.max_prompt_tokens:
+        """Tokenize the whole conversation and find what the cache already holds of it."""
+        self._refuse_placeholder(prompt, "prompt")
+        prompt_tokens = self.chat.count_tokens(prompt)
+        if prompt_tokens > self.config.max_prompt_tokens:
             raise InvalidRequest(
-                f"prompt is {len(new_ids)} tokens, the limit is {self.config.max_prompt_tokens}",
+                f"prompt is {prompt_tokens} tokens, the limit is {self.config.max_prompt_tokens}",
                 field="prompt",
             )
-        base = state.token_ids if history else state.token_ids[: state.prefix_len]
-        room = self.max_context - len(base) - len(new_ids)
+        past = state.history if history else []
+        images = 1 + sum(e.image for e in past)
+        text = self.chat.render(self.chat.messages(state.system_prompt, past, prompt))
+        ids = self.chat.tokenize(text, state.image_tokens[:images])
+        room = self.max_context - len(ids)
         if room < 1:
             raise InvalidRequest(
                 f"the conversation has reached the model's {self.max_context}-token context; "
@@ -212,34 +174,37 @@ class LlavaEngine:
                 field="prompt",
             )
         found = self._restore(state)
+        # At least the last id is fed again: its logits give the first answer token.
+        common = min(common_prefix(state.cache_ids, ids), len(ids) - 1)
         if not self.keeps_kv:
-            cache = new_cache(self.num_layers)
+            cache, common = new_cache(self.num_layers), 0
         elif history:
             cache = state.cache
+            crop_to(cache, common)  # drop what re-tokenization no longer matches
+            state.cache_ids = state.cache_ids[:common]
         else:
-            cache = self._prefix_copy(state.cache, state.prefix_len)
-        start_len = cache.get_seq_length()
-        pending = base[start_len:] + new_ids
+            cache = self._prefix_copy(state.cache, common)
         return Turn(
             state=state,
             prompt=prompt,
             params=params,
             branch=not history,
             cache=cache,
-            start_len=start_len,
-            pending=pending,
-            new_ids=new_ids,
+            start_len=common,
+            ids=ids,
+            fed=ids[:common],
+            pending=ids[common:],
             max_new_tokens=min(params.max_new_tokens, room),
             detokenizer=Detokenizer(self.tokenizer),
             generator=make_generator(params, state.replica.device),
             found_in=found,
-            prefill_tokens=len(pending),
-            cached_tokens=start_len,
+            prefill_tokens=len(ids) - common,
+            cached_tokens=common,
         )
 
     @torch.inference_mode()
     def step(self, turns: list[Turn]) -> dict[int, BaseException]:
-        """Advance every unfinished turn by one token; return errors by position.
+        """Advance every unfinished turn by one forward; return errors by position.
 
         Turns that start this step prefill alone (their lengths differ too much to batch
         well); turns already decoding share one forward per replica.
@@ -261,23 +226,39 @@ class LlavaEngine:
         return errors
 
     def _prefill(self, turn: Turn) -> None:
-        state, replica = turn.state, turn.state.replica
-        kwargs: dict[str, Any] = {}
-        if turn.start_len < state.prefix_len:  # the image tokens are not cached: supply them
-            if state.pixel_values is not None:
-                kwargs["pixel_values"] = state.pixel_values
-            else:
-                features = state.features.to(replica.device, replica.model.dtype)
-                kwargs["mm_encoder_outputs"] = _image_input(features)
-        out = replica.model(
-            input_ids=torch.tensor([turn.pending], device=replica.device),
-            past_key_values=turn.cache,
-            use_cache=True,
-            logits_to_keep=1,
-            **kwargs,
-        )
+        state = turn.state
+        features = state.features
+        if state.pixels is not None:  # the reference design re-runs the vision tower
+            model, device = state.replica.model, state.replica.device
+            features = torch.cat([image_features(model, p, device) for p in state.pixels])
+        offset = sum(1 for i in turn.fed if i == self.image_token_id)
+        logits = self._forward(state.replica, turn.cache, turn.pending, features, offset)
+        turn.fed = turn.fed + turn.pending
         turn.first_token_at = time.perf_counter()
-        self._accept(turn, next_token(out.logits[0, -1], turn.params, turn.generator))
+        self._accept(turn, next_token(logits, turn.params, turn.generator))
+
+    def _forward(
+        self,
+        replica: Replica,
+        cache: DynamicCache,
+        ids: list[int],
+        features: torch.Tensor | None,
+        offset: int,
+    ) -> torch.Tensor:
+        """Feed ids (image tokens from `features[offset:]`); return the last logits row.
+
+        Transactional: if the forward fails, every layer of the cache is cut back.
+        """
+        before = cache.get_seq_length()
+        try:
+            embeds = embed(replica.model, ids, self.image_token_id, features, offset)
+            out = replica.model(
+                inputs_embeds=embeds, past_key_values=cache, use_cache=True, logits_to_keep=1
+            )
+        except BaseException:
+            crop_to(cache, before)
+            raise
+        return out.logits[0, -1]
 
     def _decode(self, replica_idx: int, group: list[tuple[int, Turn]]) -> dict[int, Exception]:
         turns = [t for _, t in group]
@@ -286,34 +267,30 @@ class LlavaEngine:
         if batch is not None and not batch.same_members(turns):
             self._split(replica_idx)
             batch = None
+        if len(turns) == 1:
+            return self._decode_alone(group)
         try:
-            if len(turns) == 1:
-                logits = self._forward_one(model, turns[0])[None]
-            else:
-                if batch is None:
-                    batch = self._batches[replica_idx] = DecodeBatch(turns)
-                logits = batch.forward(model)
+            if batch is None:
+                batch = self._batches[replica_idx] = DecodeBatch(turns)
+            logits = batch.forward(model)
         except Exception:  # the shared forward failed: retry alone, so only the culprit fails
             self._split(replica_idx)
-            return self._decode_alone(model, group)
+            return self._decode_alone(group)
         for row, turn in enumerate(turns):
+            turn.fed = turn.fed + turn.pending
             self._accept(turn, next_token(logits[row], turn.params, turn.generator))
         return {}
 
-    def _decode_alone(self, model: Any, group: list[tuple[int, Turn]]) -> dict[int, Exception]:
+    def _decode_alone(self, group: list[tuple[int, Turn]]) -> dict[int, Exception]:
         errors: dict[int, Exception] = {}
         for i, turn in group:
             try:
-                logits = self._forward_one(model, turn)
+                logits = self._forward(turn.state.replica, turn.cache, turn.pending, None, 0)
+                turn.fed = turn.fed + turn.pending
                 self._accept(turn, next_token(logits, turn.params, turn.generator))
             except Exception as exc:
                 errors[i] = exc
         return errors
-
-    def _forward_one(self, model: Any, turn: Turn) -> torch.Tensor:
-        ids = torch.tensor([turn.pending], device=turn.state.replica.device)
-        out = model(input_ids=ids, past_key_values=turn.cache, use_cache=True, logits_to_keep=1)
-        return out.logits[0, -1]
 
     def _accept(self, turn: Turn, token: int) -> None:
         """Record one sampled token: end the answer, or emit its text and feed it next."""
@@ -352,8 +329,9 @@ class LlavaEngine:
         if turn.branch:
             return
         state = turn.state
-        state.token_ids = state.token_ids + turn.new_ids + turn.generated
-        state.history.append((turn.prompt, turn.text))
+        if self.keeps_kv:
+            state.cache_ids = turn.fed
+        state.history.append(Exchange(turn.prompt, turn.text))
 
     @torch.inference_mode()
     def abort_turn(self, turn: Turn) -> None:
@@ -361,25 +339,62 @@ class LlavaEngine:
         self._detach(turn)
         if turn.branch or turn.cache is not turn.state.cache:
             return
-        extra = turn.cache.get_seq_length() - turn.start_len
-        if extra > 0:
-            turn.cache.crop(-extra)
+        crop_to(turn.cache, turn.start_len)
+        turn.state.cache_ids = turn.fed[: turn.start_len]
 
-    def _prefix_copy(self, cache: DynamicCache, length: int) -> DynamicCache:
+    @torch.inference_mode()
+    def self_check(self) -> None:
+        """Prove on a blank image that this transformers accepts what the engine passes.
+
+        An older `LlavaModel.forward` silently ignores features it does not know how to take;
+        the check compares the engine's path with the model's own on the same input.
+        """
+        from PIL import Image
+
+        from llava.engine.loading import transformers_version
+
+        replica = self.replicas[0]
+        image = Image.new("RGB", (40, 30), (120, 60, 200))
+        try:
+            processed = process_image(self.processor, image, self.image_token_id)
+            ids = self.chat.tokenize(self.chat.prefix_text(None), [processed.tokens])
+            features = image_features(replica.model, processed, replica.device)
+            ours = self._forward(replica, new_cache(self.num_layers), ids, features, 0)
+            inputs = {
+                k: v.to(replica.device, replica.model.dtype) if v.is_floating_point() else v
+                for k, v in processed.inputs.items()
+            }
+            theirs = replica.model(
+                input_ids=torch.tensor([ids], device=replica.device), logits_to_keep=1, **inputs
+            ).logits[0, -1]
+        except Exception as exc:
+            raise RuntimeError(
+                f"transformers {transformers_version()} cannot serve this checkpoint the way the "
+                f"engine does ({exc}); install the version range in pyproject.toml"
+            ) from exc
+        tolerance = 1e-3 if replica.model.dtype == torch.float32 else 5e-2
+        scale = float(theirs.abs().max()) or 1.0
+        if float((ours.float() - theirs.float()).abs().max()) > tolerance * scale:
+            raise RuntimeError(
+                f"transformers {transformers_version()} answers differently when the engine "
+                "passes image features itself; install the version range in pyproject.toml"
+            )
+
+    def _prefix_copy(self, cache: DynamicCache | None, length: int) -> DynamicCache:
         """Return a new cache holding the first `length` positions of `cache` (shares nothing)."""
         branch = new_cache(self.num_layers)
-        if cache.get_seq_length() >= length:
+        if cache is not None and length and cache.get_seq_length() >= length:
             for own, layer in zip(branch.layers, cache.layers, strict=True):
                 assign(own, layer.keys[..., :length, :], layer.values[..., :length, :])
         return branch
 
-    def _tokenize(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def _image_input(features: torch.Tensor) -> dict[str, BaseModelOutputWithPooling]:
-    """Wrap precomputed image features the way LLaVA's forward accepts them."""
-    return {"image": BaseModelOutputWithPooling(pooler_output=[features])}
+    def _refuse_placeholder(self, text: str | None, field: str) -> None:
+        if text and self.chat.image_token in text:
+            raise InvalidRequest(
+                f"{field} contains the model's image placeholder {self.chat.image_token!r}; "
+                "send images in the image field",
+                field=field,
+            )
 
 
 __all__ = ["LlavaEngine", "SessionState", "Tier", "Turn"]

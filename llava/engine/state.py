@@ -11,7 +11,9 @@ import torch
 from transformers import DynamicCache
 
 from llava.engine.cache import cache_tensors
+from llava.engine.chat import Exchange
 from llava.engine.sampling import Detokenizer
+from llava.engine.vision import ProcessedImage
 from llava.protocol import GenerationParams
 
 
@@ -39,22 +41,24 @@ def tensor_bytes(tensors: Any) -> int:
 
 @dataclass(eq=False)
 class SessionState:
-    """A session's conversation as token ids, plus what is cached of it.
+    """A session's conversation, plus what is cached of it.
 
-    `cache` holds the keys/values of `token_ids[:cached]` (None in the FEATURES tier or in the
-    reference `pixels` mode); `features` are the projected image features, kept in host memory
-    so the prefix can always be recomputed; `pixel_values` are kept only in `pixels` mode.
+    `cache` holds the keys/values of exactly `cache_ids` (None in the FEATURES tier or in the
+    reference `pixels` mode); `features` are the projected features of the session's images in
+    order, kept in host memory so the conversation can always be recomputed; `pixels` are kept
+    only in `pixels` mode.
     """
 
     replica: Replica
     system_prompt: str | None
-    token_ids: list[int]  # the main line of the conversation, image tokens expanded
-    prefix_len: int  # system prompt + image: where a history-free branch starts
-    features: torch.Tensor | None  # [image_tokens, hidden] in host memory (kv mode)
+    image_tokens: list[int]  # image tokens of each of the session's images, in order
+    prefix_len: int  # ids of the system prompt and the first image: the opening
+    features: torch.Tensor | None  # [sum(image_tokens), hidden] in host memory (kv mode)
     cache: DynamicCache | None = None
+    cache_ids: list[int] = field(default_factory=list)  # the ids whose keys/values are cached
     tier: Tier = Tier.DEVICE
-    pixel_values: torch.Tensor | None = None
-    history: list[tuple[str, str]] = field(default_factory=list)
+    pixels: list[ProcessedImage] | None = None
+    history: list[Exchange] = field(default_factory=list)
 
     @property
     def cached(self) -> int:
@@ -68,7 +72,8 @@ class SessionState:
     def device_bytes(self) -> int:
         """Bytes held on the replica's device (the cache, or the pixels in pixels mode)."""
         cache = self.cache_bytes if self.tier is Tier.DEVICE else 0
-        return cache + tensor_bytes([self.pixel_values])
+        pixels = [t for image in self.pixels or [] for t in image.inputs.values()]
+        return cache + tensor_bytes(pixels)
 
     @property
     def host_bytes(self) -> int:
@@ -83,7 +88,12 @@ class SessionState:
 
 @dataclass(eq=False)
 class Turn:
-    """One answer being generated; each engine step advances it by one token."""
+    """One answer being generated; each engine step advances it by a chunk or a token.
+
+    `ids` are the whole conversation's ids up to the assistant's cue, as the model's own
+    pipeline tokenizes them; the turn's cache already holds `fed` (a prefix of them, then the
+    answer's tokens as they are fed back) and `pending` are the ids still to feed.
+    """
 
     state: SessionState
     prompt: str
@@ -91,8 +101,9 @@ class Turn:
     branch: bool  # history=False: answer from the image alone, leave the main line untouched
     cache: DynamicCache
     start_len: int  # cache length before this turn, to roll back on failure
+    ids: list[int]
+    fed: list[int]  # ids whose keys/values the turn's cache holds
     pending: list[int]  # ids to feed on the next forward
-    new_ids: list[int]  # ids this turn adds to the conversation before the answer
     max_new_tokens: int
     detokenizer: Detokenizer
     generator: torch.Generator | None

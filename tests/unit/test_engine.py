@@ -40,8 +40,14 @@ def test_follow_ups_prefill_only_their_own_tokens(engine, reference):
     turns = [answer(engine, state, p) for p in PROMPTS]
     assert [t.text for t in turns] == reference.answers(image, PROMPTS, 10)
     for turn in turns[1:]:
-        assert turn.cached_tokens > state.prefix_len
-        assert turn.prefill_tokens <= len(turn.new_ids) + 1  # + the last answer token
+        assert turn.cached_tokens > state.prefix_len  # the image is never prefilled again
+        assert turn.cached_tokens + turn.prefill_tokens == len(turn.ids)
+
+
+def fed_shape(kwargs):
+    """Return (batch, tokens) of what a forward was fed, as ids or as embeddings."""
+    fed = kwargs.get("input_ids")
+    return tuple((fed if fed is not None else kwargs["inputs_embeds"]).shape[:2])
 
 
 def test_concurrent_answers_share_one_forward_per_step(engine):
@@ -55,7 +61,7 @@ def test_concurrent_answers_share_one_forward_per_step(engine):
     turns = [engine.start_turn(s, p, GREEDY) for s, p in zip(states, prompts, strict=True)]
     calls = []
     hook = engine.replicas[0].model.register_forward_hook(
-        lambda module, args, kwargs, out: calls.append(kwargs["input_ids"].shape), with_kwargs=True
+        lambda module, args, kwargs, out: calls.append(fed_shape(kwargs)), with_kwargs=True
     )
     try:
         assert not engine.step(turns)  # prefills: one forward each
@@ -84,7 +90,7 @@ def test_offloaded_and_dropped_caches_give_the_same_answers(engine, reference):
     assert engine.drop_cache(state) > 0 and state.tier is Tier.FEATURES and state.cache is None
     third = answer(engine, state, PROMPTS[2])
     assert third.found_in is Tier.FEATURES and third.cached_tokens == 0
-    assert third.prefill_tokens == len(state.token_ids) - len(third.generated)  # recomputed
+    assert third.prefill_tokens == len(third.ids)  # the whole conversation recomputed
     expected = reference.answers(image, PROMPTS[:3], 10)
     assert [answer.text for answer in (second, third)] == expected[1:]
 
@@ -93,10 +99,11 @@ def test_branch_without_history_leaves_the_main_line(engine, reference):
     image = make_image(3)
     state = engine.open_session(image)
     answer(engine, state, PROMPTS[0])
-    ids = list(state.token_ids)
+    ids, history = list(state.cache_ids), list(state.history)
     branch = answer(engine, state, PROMPTS[1], history=False)
     assert branch.text == reference.answers(image, [PROMPTS[1]], 10)[0]
-    assert state.token_ids == ids
+    assert state.cache_ids == ids and state.history == history
+    assert state.cached == len(ids)
     follow = answer(engine, state, PROMPTS[1])
     assert follow.text == reference.answers(image, PROMPTS[:2], 10)[1]
 
@@ -117,7 +124,7 @@ def test_pixels_mode_is_the_reference_design_with_the_same_answers(tiny_checkpoi
     pixels = LlavaEngine.load(tiny_checkpoint, ServerConfig(device="cpu", cache_mode="pixels"))
     image = make_image(5)
     state = pixels.open_session(image)
-    assert state.cache is None and state.pixel_values is not None
+    assert state.cache is None and state.pixels is not None
     turns = [answer(pixels, state, p) for p in PROMPTS[:3]]
     assert [t.text for t in turns] == reference.answers(image, PROMPTS[:3], 10)
     assert all(t.cached_tokens == 0 for t in turns)  # everything recomputed every turn
@@ -176,12 +183,12 @@ def test_two_replicas_pin_sessions_to_the_least_loaded_and_batch_per_replica(
     tiny_checkpoint, engine
 ):
     """The multi-GPU layout, exercised on CPU: one model copy per device, sessions pinned."""
-    from transformers import LlavaForConditionalGeneration
+    from transformers import AutoModelForImageTextToText
 
     from llava.engine.state import Replica
 
     replicas = [
-        Replica(LlavaForConditionalGeneration.from_pretrained(tiny_checkpoint).eval(), r.device)
+        Replica(AutoModelForImageTextToText.from_pretrained(tiny_checkpoint).eval(), r.device)
         for r in engine.replicas * 2
     ]
     two = LlavaEngine(engine.processor, replicas, ServerConfig(device="cpu"))

@@ -1,0 +1,89 @@
+"""Load a checkpoint: check its family, pick devices and dtype, prove the engine's contract.
+
+The engine feeds the model its own input embeddings (image features scattered in) and reads the
+vision tower through `get_image_features`; both differ across transformers versions. A worker
+checks at start that the installed transformers and the checkpoint agree with what the engine
+passes, so a mismatch fails the worker with a message instead of answering wrongly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llava.config import ServerConfig
+from llava.families import check_model_type
+
+log = logging.getLogger(__name__)
+
+HOST = torch.device("cpu")
+
+
+def resolve_devices(config: ServerConfig) -> list[torch.device]:
+    """List the devices to put a replica on: every visible GPU (capped), else the CPU."""
+    if config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available()):
+        return [HOST]
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"device {config.device!r} asked for but CUDA is not available")
+    if config.device.startswith("cuda:"):
+        return [torch.device(config.device)]
+    count = torch.cuda.device_count()
+    if config.max_replicas:
+        count = min(count, config.max_replicas)
+    return [torch.device("cuda", i) for i in range(count)]
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Tell whether a GPU computes in bfloat16 natively (compute capability 8.0, Ampere, on).
+
+    `torch.cuda.is_bf16_supported()` answers True on T4 and V100 too, which only emulate it.
+    """
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def resolve_dtype(config: ServerConfig, device: torch.device) -> torch.dtype:
+    """Pick the weights' dtype: bf16 on Ampere and later, fp16 on older GPUs, fp32 on CPU."""
+    if config.dtype != "auto":
+        return getattr(torch, config.dtype)
+    if device.type == "cuda":
+        return torch.bfloat16 if native_bf16(device) else torch.float16
+    return torch.float32
+
+
+def read_model_type(model_dir: Path) -> str:
+    """Read the checkpoint's model type from its config.json, refusing unsupported families."""
+    config_file = model_dir / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(
+            f"{model_dir} has no config.json: point the archive at a LLaVA checkpoint "
+            "directory (see README, 'Serving real weights')"
+        )
+    model_type = json.loads(config_file.read_text()).get("model_type")
+    check_model_type(model_type, str(model_dir))
+    return str(model_type)
+
+
+def load_model(model_dir: Path, device: torch.device, config: ServerConfig) -> Any:
+    """Load one replica of the model on `device` through transformers' auto class."""
+    from transformers import AutoModelForImageTextToText
+
+    started = time.perf_counter()
+    model = AutoModelForImageTextToText.from_pretrained(
+        model_dir,
+        dtype=resolve_dtype(config, device),
+        attn_implementation=config.attn_implementation,
+    )
+    model.to(device).eval()
+    log.info("loaded %s on %s in %.1f s", model_dir.name, device, time.perf_counter() - started)
+    return model
+
+
+def transformers_version() -> str:
+    import transformers
+
+    return str(transformers.__version__)

@@ -1,0 +1,84 @@
+"""Images to model inputs: the processor's pixels and token count, the vision tower's features.
+
+Every llava-hf family (LLaVA-1.5, NeXT, OneVision) expands an image placeholder into a number of
+image tokens that the processor decides (fixed for 1.5, dependent on the image's size for the
+anyres families) and replaces those tokens' embeddings with the image's projected features. The
+engine does that replacement itself (`embed`), for any slice of a conversation, so a prefill can
+be cut into chunks anywhere, even inside an image, and a session's image features can be kept
+and reused without the vision tower.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(eq=False)
+class ProcessedImage:
+    """An image as the processor prepared it: model inputs and its number of image tokens."""
+
+    inputs: dict[str, torch.Tensor]  # pixel_values (and image_sizes for the anyres families)
+    tokens: int
+
+
+def image_token_id(model: Any) -> int:
+    """Return the id of the image placeholder token from the model's config."""
+    config = model.config
+    value = getattr(config, "image_token_id", None)
+    if value is None:
+        value = getattr(config, "image_token_index", None)
+    if value is None:
+        raise ValueError("the model config names no image token (image_token_id)")
+    return int(value)
+
+
+def process_image(processor: Any, image: Any, token_id: int) -> ProcessedImage:
+    """Run the processor on one image; count the image tokens it expands to."""
+    out = processor(images=[image], text=[processor.image_token], return_tensors="pt")
+    ids = out.pop("input_ids")
+    out.pop("attention_mask", None)
+    tokens = int((ids == token_id).sum())
+    if tokens == 0:
+        raise ValueError("the processor expanded the image to no image tokens")
+    return ProcessedImage({k: v for k, v in out.items() if isinstance(v, torch.Tensor)}, tokens)
+
+
+def image_features(model: Any, image: ProcessedImage, device: torch.device) -> torch.Tensor:
+    """Run the vision tower and projector: one [tokens, hidden] tensor in the model's dtype."""
+    inputs = {
+        k: v.to(device, model.dtype) if v.is_floating_point() else v.to(device)
+        for k, v in image.inputs.items()
+    }
+    out = model.get_image_features(**inputs, return_dict=True)
+    pooled = getattr(out, "pooler_output", out)
+    if isinstance(pooled, (list, tuple)):
+        features = torch.cat([p.reshape(-1, p.shape[-1]) for p in pooled])
+    else:
+        features = pooled.reshape(-1, pooled.shape[-1])
+    if features.shape[0] != image.tokens:
+        raise RuntimeError(
+            f"the vision tower gave {features.shape[0]} features for an image the processor "
+            f"expanded to {image.tokens} tokens: this transformers version does not match the "
+            "checkpoint (see pyproject.toml for the supported range)"
+        )
+    return features
+
+
+def embed(
+    model: Any, ids: list[int], token_id: int, features: torch.Tensor | None, offset: int
+) -> torch.Tensor:
+    """Embed ids [1, n, hidden]; image tokens take features[offset:] in order."""
+    device = model.get_input_embeddings().weight.device
+    tensor = torch.tensor([ids], device=device)
+    embeds = model.get_input_embeddings()(tensor)
+    mask = tensor[0] == token_id
+    count = int(mask.sum())
+    if count:
+        if features is None or offset + count > features.shape[0]:
+            raise RuntimeError("the conversation has more image tokens than the session's images")
+        chunk = features[offset : offset + count].to(device, embeds.dtype)
+        embeds[0, mask] = chunk
+    return embeds

@@ -1,0 +1,43 @@
+"""The llava-hf model families the kit serves, and what each can do.
+
+Pure: no torch import, so the archive builder can refuse an unsupported checkpoint before
+anything is packed, with the same message a worker gives at start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Family:
+    """One supported `model_type` and its abilities."""
+
+    model_type: str
+    examples: str
+    multi_image: bool  # trained on several images in one conversation
+
+
+FAMILIES: dict[str, Family] = {
+    family.model_type: family
+    for family in (
+        Family("llava", "llava-hf/llava-1.5-7b-hf, llava-hf/llava-interleave-qwen-0.5b-hf", False),
+        Family("llava_next", "llava-hf/llava-v1.6-mistral-7b-hf, llava-v1.6-vicuna-7b-hf", False),
+        Family("llava_onevision", "llava-hf/llava-onevision-qwen2-0.5b-ov-hf", True),
+    )
+}
+
+
+class UnsupportedModel(ValueError):
+    """The checkpoint's model type is not one the kit serves."""
+
+
+def check_model_type(model_type: object, where: str) -> Family:
+    """Return the family of a checkpoint's `model_type`, or refuse it naming the supported ones."""
+    family = FAMILIES.get(str(model_type)) if model_type is not None else None
+    if family is None:
+        supported = "; ".join(f"{f.model_type} (e.g. {f.examples})" for f in FAMILIES.values())
+        raise UnsupportedModel(
+            f"{where}: model_type {model_type!r} is not served by this kit. Supported: {supported}"
+        )
+    return family

@@ -1,0 +1,87 @@
+"""Shapes of the random-weight checkpoint profiles, each mirroring one real llava-hf repository."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """Shapes and kinds of one checkpoint profile."""
+
+    mirrors: str  # the llava-hf repository whose files and loading path it copies
+    image_size: int
+    patch_size: int
+    vision_hidden: int
+    vision_layers: int
+    vision_heads: int
+    vision_intermediate: int
+    text_hidden: int
+    text_layers: int
+    text_heads: int
+    text_kv_heads: int
+    text_intermediate: int
+    max_position_embeddings: int
+    text: str = "llama"  # "llama": SentencePiece-style tokenizer; "qwen2": byte-level BPE
+    vision: str = "clip"  # "clip" (CLS token dropped) or "siglip" (no CLS, every patch kept)
+    # Random weights at the usual 0.02 give near-flat logits, so greedy decoding repeats one
+    # token whatever the input; a wide init makes outputs depend on the image and prompt.
+    initializer_range: float = 0.2
+
+    @property
+    def num_image_tokens(self) -> int:
+        """Return how many image tokens one image expands to (CLIP's CLS token dropped)."""
+        return (self.image_size // self.patch_size) ** 2
+
+
+PROFILES: dict[str, TinySpec] = {
+    "tiny": TinySpec(
+        mirrors="llava-hf/llava-1.5-7b-hf",
+        image_size=32,
+        patch_size=8,
+        vision_hidden=32,
+        vision_layers=2,
+        vision_heads=2,
+        vision_intermediate=64,
+        text_hidden=64,
+        text_layers=2,
+        text_heads=4,
+        text_kv_heads=2,
+        text_intermediate=128,
+        max_position_embeddings=2048,
+    ),
+    "llava15": TinySpec(
+        mirrors="llava-hf/llava-1.5-7b-hf",
+        image_size=336,
+        patch_size=14,
+        vision_hidden=128,
+        vision_layers=4,
+        vision_heads=4,
+        vision_intermediate=512,
+        # Llama-7B's head size (64), MHA without GQA and MLP ratio (11008/4096), at 1/8 width.
+        text_hidden=512,
+        text_layers=6,
+        text_heads=8,
+        text_kv_heads=8,
+        text_intermediate=1376,
+        max_position_embeddings=4096,
+    ),
+    # Qwen2 text (byte-level BPE, ChatML) behind a SigLIP tower, as llava-interleave-qwen.
+    "interleave": TinySpec(
+        mirrors="llava-hf/llava-interleave-qwen-0.5b-hf",
+        image_size=32,
+        patch_size=8,
+        vision_hidden=32,
+        vision_layers=2,
+        vision_heads=2,
+        vision_intermediate=64,
+        text_hidden=64,
+        text_layers=2,
+        text_heads=4,
+        text_kv_heads=2,
+        text_intermediate=128,
+        max_position_embeddings=2048,
+        text="qwen2",
+        vision="siglip",
+    ),
+}
