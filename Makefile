@@ -1,5 +1,9 @@
 # Two commands matter: `make serve` and `make test`. Everything else is a step they use.
-PYTHON ?= python3.11
+# The first Python 3.10-3.13 on PATH (3.11 first: the version the SageMaker DLC's TorchServe era
+# and the local torch wheel use); override with PYTHON=/path/to/python.
+PYTHON ?= $(shell for p in python3.11 python3.12 python3.13 python3.10 python3; do \
+	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(not (3, 10) <= sys.version_info[:2] <= (3, 13))' \
+	2>/dev/null && { echo $$p; break; }; done)
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 MODEL  ?= tiny
@@ -35,7 +39,8 @@ help:
 
 # torch first, from the pinned CPU wheel: letting pip resolve it pulls a multi-GB CUDA build.
 $(BIN)/.installed: pyproject.toml
-	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (or set PYTHON=)"; exit 1; }
+	@test -n "$(PYTHON)" && command -v $(PYTHON) >/dev/null || { \
+		echo "need Python 3.10 to 3.13 on PATH (or set PYTHON=/path/to/python3)"; exit 1; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==$(TORCH_VERSION)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any
 
@@ -69,13 +69,17 @@ class OpenSession:
 
 @dataclass(frozen=True)
 class Query:
-    """Ask one question in a session; `history=False` branches from the image alone."""
+    """Ask one question in a session; `history=False` branches from the image alone.
+
+    `sample_reply` answers in the AWS LLaVA sample's shape too (`response_text`).
+    """
 
     session_id: str
     prompt: str = field(repr=False)
     params: GenerationParams = GenerationParams()
     stream: bool = False
     history: bool = True
+    sample_reply: bool = False
 
 
 @dataclass(frozen=True)
@@ -115,7 +119,8 @@ def header(headers: Mapping[str, Any], name: str) -> str | None:
 
 def parse_request(body: Any, headers: Mapping[str, Any], limits: Limits = Limits()) -> Request:
     """Validate one request body and its session header into a typed request."""
-    obj = _decode_body(body, headers, limits)
+    raw = _decode_body(body, headers, limits)
+    obj = _translate_dialects(raw)
     kind = obj.get("type")
     if kind is None:
         raise InvalidRequest(
@@ -129,7 +134,49 @@ def parse_request(body: Any, headers: Mapping[str, Any], limits: Limits = Limits
             '"close_session" or "generate"',
             field="type",
         )
-    return parser(obj, _session_id(obj, headers), limits)
+    request = parser(obj, _session_id(obj, headers), limits)
+    if isinstance(request, Query) and raw.get("type") == "send_text_prompt":
+        request = replace(request, sample_reply=True)
+    return request
+
+
+# AWS's containers (LMI, model-hosting-container-standards) open and close with `requestType`.
+_REQUEST_TYPES = {"NEW_SESSION": "open_session", "CLOSE": "close_session"}
+
+
+def _translate_dialects(obj: dict[str, Any]) -> dict[str, Any]:
+    """Rewrite AWS's `requestType` bodies and the AWS LLaVA sample's bodies into the kit's own.
+
+    - `{"requestType": "NEW_SESSION", "image": ...}` opens, `{"requestType": "CLOSE"}` closes;
+    - the sample's `{"type": "start_session", "path": URL}` opens,
+      `{"type": "send_text_prompt", "prompt_text": ...}` asks (answered with `response_text`);
+      its `close_session` is the kit's own.
+    """
+    if "requestType" in obj:
+        kind = obj.get("requestType")
+        if "type" in obj:
+            raise InvalidRequest('send either "type" or "requestType", not both', field="type")
+        if not isinstance(kind, str) or kind not in _REQUEST_TYPES:
+            raise InvalidRequest(
+                f'unknown "requestType" {str(kind)[:40]!r}: use "NEW_SESSION" or "CLOSE" '
+                '(questions use {"type": "query"})',
+                field="requestType",
+            )
+        obj = {k: v for k, v in obj.items() if k != "requestType"}
+        obj["type"] = _REQUEST_TYPES[kind]
+    elif obj.get("type") == "start_session":
+        obj = _renamed(obj, "open_session", "path", "image")
+    elif obj.get("type") == "send_text_prompt":
+        obj = _renamed(obj, "query", "prompt_text", "prompt")
+    return obj
+
+
+def _renamed(obj: dict[str, Any], kind: str, old: str, new: str) -> dict[str, Any]:
+    if new in obj:
+        raise InvalidRequest(f'"{obj["type"]}" takes "{old}", not "{new}"', field=new)
+    out = {(new if k == old else k): v for k, v in obj.items()}
+    out["type"] = kind
+    return out
 
 
 def _decode_body(body: Any, headers: Mapping[str, Any], limits: Limits) -> dict[str, Any]:

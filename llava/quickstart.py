@@ -12,7 +12,7 @@ LLaVA sessions on http://{host}:{port} (model '{name}'). In another terminal:
 
   URL=http://{host}:{port}/predictions/{name}
   SID=$(curl -s $URL -H 'Content-Type: application/json' \\
-      -d "{{\\"type\\":\\"open_session\\",\\"image\\":\\"data:image/png;base64,$(base64 -w0 {sample})\\"}}" \\
+      -d "{{\\"type\\":\\"open_session\\",\\"image\\":\\"data:image/png;base64,$(base64 < {sample} | tr -d "\\n")\\"}}" \\
       | python3 -c 'import json,sys; print(json.load(sys.stdin)["session_id"])'); echo $SID
   curl -s $URL -H 'Content-Type: application/json' -H "X-Amzn-SageMaker-Session-Id: $SID" \\
       -d '{{"type":"query","prompt":"What is in the picture?","max_new_tokens":32}}'; echo

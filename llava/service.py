@@ -100,6 +100,7 @@ class _Answering:
     turn: Any
     stream: bool
     transient: bool = False  # a one-shot generate: its state is dropped at the end
+    sample_reply: bool = False  # answer with the AWS sample's `response_text` too
     streaming: bool = False  # the HTTP head has gone out
 
 
@@ -197,12 +198,14 @@ class SessionService:
             except BaseException:
                 self.store.end_turn(session)
                 raise
-            self._work[item.request_id] = _Answering(session, turn, request.stream)
+            self._work[item.request_id] = _Answering(
+                session, turn, request.stream, sample_reply=request.sample_reply
+            )
             return None
         assert isinstance(request, CloseSession)
         session = self.store.close(request.session_id)
         return Reply(
-            _json({"session_id": session.id, "closed": True}),
+            _json({"session_id": session.id, "closed": True, "success": True}),
             headers={CLOSED_SESSION_HEADER: session.id},
         )
 
@@ -321,6 +324,8 @@ class SessionService:
             body += stream_line({"usage": usage, "finish_reason": turn.finish_reason})
             return self._stream_reply(work, body, last=True)
         body = {"text": turn.text, "usage": usage}
+        if work.sample_reply:
+            body["response_text"] = turn.text
         if not work.transient:
             body = {"session_id": work.session.id, **body}
         return Reply(_json(body))

@@ -1,7 +1,7 @@
 """The TorchServe adapter: turn a continuous-batching call into a service step and back.
 
 TorchServe 0.12's continuous batching (without sequence batching) calls `handle()` once per
-step with every active request. The rules this adapter follows (see TORCHSERVE-FINDINGS):
+step with every active request. The rules this adapter follows (docs/torchserve.md):
 - a request's body arrives only on its first step; state is keyed by `context.request_ids`;
 - removing a request's index from `context.request_ids` sends nothing for it this step: the
   frontend keeps the job and re-sends it next step (how a whole answer waits for its last token);

@@ -202,3 +202,40 @@ def test_two_replicas_pin_sessions_to_the_least_loaded_and_batch_per_replica(
     assert [t.generated for t in turns] == alone
     two.release(states[0])
     assert two.open_session(images[0]).replica is replicas[0]  # the least loaded again
+
+
+def test_bf16_session_equals_the_bf16_pipeline(tiny_checkpoint):
+    import torch
+
+    bf16 = LlavaEngine.load(tiny_checkpoint, ServerConfig(device="cpu", dtype="bfloat16"))
+    assert bf16.replicas[0].model.dtype == torch.bfloat16
+    image = make_image(8)
+    state = bf16.open_session(image, "Answer briefly.")
+    got = [answer(bf16, state, p).text for p in PROMPTS]
+    oracle = Reference(tiny_checkpoint, dtype=torch.bfloat16)
+    assert got == oracle.answers(image, PROMPTS, 10, "Answer briefly.")
+
+
+@pytest.mark.parametrize(
+    ("capability", "expected"), [((7, 5), "float16"), ((7, 0), "float16"), ((8, 0), "bfloat16")]
+)
+def test_cuda_uses_bf16_only_where_the_gpu_computes_it_natively(monkeypatch, capability, expected):
+    """T4 (7.5) and V100 (7.0) report bf16 support but emulate it: they get float16."""
+    import torch
+
+    from llava.engine import loading
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    dtype = loading.resolve_dtype(ServerConfig(), torch.device("cuda", 0))
+    assert dtype == getattr(torch, expected)
+
+
+def test_unsupported_model_types_are_refused_before_loading(tmp_path):
+    import json
+
+    from llava.families import UnsupportedModel
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_vl"}))
+    with pytest.raises(UnsupportedModel, match="llava_next.*llava_onevision"):
+        LlavaEngine.load(tmp_path, ServerConfig(device="cpu"))

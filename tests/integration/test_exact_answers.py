@@ -1,0 +1,96 @@
+"""A session answers exactly as the model's own transformers pipeline, through a real TorchServe.
+
+The oracle (`helpers.Reference`) renders the whole conversation with `apply_chat_template`,
+runs the processor and `generate` from scratch for every turn; it shares no code with the kit.
+Two tokenizer kinds: SentencePiece-style (Metaspace) with llava-1.5's template, where tokenizing a
+turn on its own gives different ids, and Qwen2's byte-level BPE with ChatML (interleave).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import start_server
+from helpers import Reference, ask, data_uri, make_image, open_session
+
+from llava.archive import build_archive
+from llava.launcher import TorchServe
+from llava.tiny import build_checkpoint
+
+pytestmark = pytest.mark.integration
+
+PROMPTS = ["What is this?", "Describe the colors.", "Is it big?", "Why?"]
+TOKENS = 12
+
+
+@pytest.fixture(scope="module", params=["tiny", "interleave"])
+def served(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[TorchServe, Reference]]:
+    """A TorchServe serving one profile, and the oracle on the same checkpoint."""
+    profile = request.param
+    checkpoint = build_checkpoint(tmp_path_factory.mktemp("ckpt") / profile, profile)
+    store = tmp_path_factory.mktemp(f"store-{profile}")
+    build_archive(checkpoint, store, name="llava")
+    server = start_server(store, tmp_path_factory.mktemp(f"ts-{profile}"))
+    try:
+        yield server, Reference(Path(checkpoint))
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[httpx.Client]:
+    with httpx.Client(timeout=120) as c:
+        yield c
+
+
+def test_four_turns_equal_the_pipeline_with_and_without_a_system_prompt(served, client):
+    server, reference = served
+    url = server.url("/predictions/llava")
+    for seed, system_prompt in [(10, None), (11, "Answer briefly.")]:
+        image = make_image(seed, (61, 37))  # not square: resize and crop both run
+        extra = {"system_prompt": system_prompt} if system_prompt else {}
+        sid = open_session(client, url, data_uri(image), **extra)
+        bodies = [ask(client, url, sid, p, max_new_tokens=TOKENS) for p in PROMPTS]
+        got = [body["text"] for body in bodies]
+        assert got == reference.answers(image, PROMPTS, TOKENS, system_prompt)
+        assert len(set(got)) > 1  # a degenerate model would prove nothing
+        for body in bodies[1:]:  # follow-ups reuse the cache: never the image again
+            assert body["usage"]["cached_tokens"] > bodies[0]["usage"]["cached_tokens"] > 0
+
+
+def test_history_false_answers_from_the_image_alone_between_turns(served, client):
+    server, reference = served
+    url = server.url("/predictions/llava")
+    image = make_image(12, (40, 64))
+    sid = open_session(client, url, data_uri(image))
+    main = [ask(client, url, sid, PROMPTS[0], max_new_tokens=TOKENS)["text"]]
+    branches = [ask(client, url, sid, p, max_new_tokens=TOKENS, history=False) for p in PROMPTS]
+    main.append(ask(client, url, sid, PROMPTS[1], max_new_tokens=TOKENS)["text"])
+    expected = reference.answers(image, PROMPTS, TOKENS, history=False)
+    assert [b["text"] for b in branches] == expected
+    assert main == reference.answers(image, PROMPTS[:2], TOKENS)
+    assert all(b["usage"]["cached_tokens"] > 0 for b in branches)  # the image is reused
+
+
+def test_usage_counts_every_fed_token_once(served, client):
+    """cached + prefilled tokens add up to the whole conversation the pipeline would feed."""
+    server, reference = served
+    url = server.url("/predictions/llava")
+    image = make_image(13)
+    sid = open_session(client, url, data_uri(image))
+    past: list[tuple[str, str]] = []
+    for prompt in PROMPTS[:3]:
+        body = ask(client, url, sid, prompt, max_new_tokens=TOKENS)
+        messages = reference.messages(None, past, prompt)
+        text = reference.processor.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+        ids = reference.processor(images=[image], text=text)["input_ids"][0]
+        usage = body["usage"]
+        assert usage["cached_tokens"] + usage["prefill_tokens"] == len(ids)
+        past.append((prompt, body["text"]))
