@@ -174,6 +174,8 @@ def _translate_dialects(obj: dict[str, Any]) -> dict[str, Any]:
 def _renamed(obj: dict[str, Any], kind: str, old: str, new: str) -> dict[str, Any]:
     if new in obj:
         raise InvalidRequest(f'"{obj["type"]}" takes "{old}", not "{new}"', field=new)
+    if old not in obj:
+        raise InvalidRequest(f'"{obj["type"]}" needs "{old}"', field=old)
     out = {(new if k == old else k): v for k, v in obj.items()}
     out["type"] = kind
     return out

@@ -296,3 +296,47 @@ def test_a_client_leaving_a_stream_early_then_closing(smr, runtime):
     assert s.id not in runtime.routes
     with client.session(image=data_uri(make_image(65))) as again:
         assert again.ask("ok?", max_new_tokens=2).session_id == again.id
+
+
+def test_the_aws_llava_samples_calls_work_unchanged(smr, reference):
+    """The AWS sample's notebook code, with only the endpoint name (and an image) changed."""
+    image = make_image(64)
+    response = smr.invoke_endpoint(
+        EndpointName="llava",
+        Body=json.dumps({"type": "start_session", "path": data_uri(image)}),
+        ContentType="application/json",
+        SessionId="NEW_SESSION",
+    )
+    session_id = json.loads(response["Body"].read())["session_id"]
+    assert response["NewSessionId"].startswith(session_id + "; Expires=")
+    answers = []
+    for prompt in PROMPTS[:2]:
+        payload = {"type": "send_text_prompt", "session_id": session_id, "prompt_text": prompt}
+        response = smr.invoke_endpoint(
+            EndpointName="llava",
+            Body=json.dumps(payload),
+            ContentType="application/json",
+            SessionId=session_id,
+        )
+        answers.append(json.loads(response["Body"].read())["response_text"])
+    # the kit's default answer length: compare with the oracle at the same length
+    assert answers == reference.answers(image, PROMPTS[:2], 256)
+    response = smr.invoke_endpoint(
+        EndpointName="llava",
+        Body=json.dumps({"type": "close_session", "session_id": session_id}),
+        ContentType="application/json",
+        SessionId=session_id,
+    )
+    assert json.loads(response["Body"].read())["success"] is True
+    assert response["ClosedSessionId"] == session_id
+
+
+def test_aws_request_type_bodies_open_and_close(smr):
+    """AWS's containers' convention: requestType NEW_SESSION / CLOSE, same headers and answers."""
+    image = data_uri(make_image(65))
+    out = invoke(smr, {"requestType": "NEW_SESSION", "image": image}, "NEW_SESSION")
+    sid = out["json"]["session_id"]
+    assert out["NewSessionId"].startswith(sid + "; Expires=")
+    assert invoke(smr, {"type": "query", "prompt": "Hi?", "max_new_tokens": 3}, sid)["json"]["text"]
+    closed = invoke(smr, {"requestType": "CLOSE"}, sid)
+    assert closed["ClosedSessionId"] == sid and closed["json"]["closed"] is True

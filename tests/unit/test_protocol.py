@@ -673,3 +673,49 @@ def test_pure_layers_do_not_import_torch() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == ""
+
+
+# -- AWS's requestType convention and the AWS LLaVA sample's bodies ---------------------------
+def test_request_type_new_session_opens_with_the_kits_image_field() -> None:
+    request = parse_request(json.dumps({"requestType": "NEW_SESSION", "image": "https://x/y"}), {})
+    assert request == OpenSession(image="https://x/y")
+
+
+def test_request_type_close_closes_the_header_session() -> None:
+    request = parse_request(json.dumps({"requestType": "CLOSE"}), sid_headers())
+    assert request == CloseSession(session_id=SID)
+
+
+@pytest.mark.parametrize("kind", ["OPEN", "new_session", 3, None])
+def test_unknown_request_type_names_the_field(kind: Any) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        parse_request(json.dumps({"requestType": kind}), {})
+    assert info.value.field == "requestType"
+
+
+def test_type_and_request_type_together_are_refused() -> None:
+    body = {"type": "close_session", "requestType": "CLOSE"}
+    with pytest.raises(InvalidRequest, match="not both"):
+        parse_request(json.dumps(body), sid_headers())
+
+
+def test_the_samples_start_session_opens_from_its_path() -> None:
+    request = parse_request(json.dumps({"type": "start_session", "path": "s3://b/k.png"}), {})
+    assert request == OpenSession(image="s3://b/k.png")
+
+
+def test_the_samples_prompt_asks_and_wants_response_text() -> None:
+    body = {"type": "send_text_prompt", "session_id": SID, "prompt_text": "What is it?"}
+    request = parse_request(json.dumps(body), sid_headers())
+    assert isinstance(request, Query)
+    assert (request.prompt, request.session_id, request.sample_reply) == ("What is it?", SID, True)
+    own = parse_request(json.dumps({"type": "query", "prompt": "What is it?"}), sid_headers())
+    assert isinstance(own, Query) and not own.sample_reply
+
+
+def test_the_samples_bodies_name_their_own_fields_in_errors() -> None:
+    with pytest.raises(InvalidRequest) as info:
+        parse_request(json.dumps({"type": "send_text_prompt", "session_id": SID}), sid_headers())
+    assert info.value.field == "prompt_text"
+    with pytest.raises(InvalidRequest, match='takes "path"'):
+        parse_request(json.dumps({"type": "start_session", "image": "s3://b/k"}), {})

@@ -506,7 +506,7 @@ def test_close_replies_with_closed_header_and_releases(
     reply = one(service, "c", close_body(), sid_headers(sid))
     assert reply is not None and reply.status == 200
     assert reply.headers == {CLOSED_SESSION_HEADER: sid}
-    assert body_of(reply) == {"session_id": sid, "closed": True}
+    assert body_of(reply) == {"session_id": sid, "closed": True, "success": True}
     assert engine.names()[-1] == "release"
     assert service.store.stats()["sessions"] == 0
     again = one(service, "q", query_body("hi"), sid_headers(sid))
