@@ -239,3 +239,18 @@ def test_unsupported_model_types_are_refused_before_loading(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_vl"}))
     with pytest.raises(UnsupportedModel, match="llava_next.*llava_onevision"):
         LlavaEngine.load(tmp_path, ServerConfig(device="cpu"))
+
+
+def test_worker_start_fails_when_image_features_are_silently_ignored(engine, monkeypatch):
+    """How an older LlavaModel.forward behaved: features dropped, no error, wrong answers."""
+    from llava.engine import engine as engine_module
+
+    def embed_without_image(model, ids, token_id, features, offset):
+        import torch
+
+        return model.get_input_embeddings()(torch.tensor([ids]))
+
+    engine.self_check()  # the real path passes
+    monkeypatch.setattr(engine_module, "embed", embed_without_image)
+    with pytest.raises(RuntimeError, match=r"transformers 5\.\d+.*pyproject\.toml"):
+        engine.self_check()
