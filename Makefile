@@ -70,6 +70,7 @@ bench: venv
 lint: venv
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 test: venv lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider

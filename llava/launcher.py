@@ -37,7 +37,8 @@ def free_ports(count: int) -> list[int]:
     The sockets stay bound until all ports are picked, so the OS cannot give the same port
     twice; several TorchServes started side by side each need six.
     """
-    socks, ports = [], []
+    socks: list[socket.socket] = []
+    ports: list[int] = []
     try:
         while len(ports) < count:
             sock = socket.socket()

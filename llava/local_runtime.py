@@ -305,7 +305,7 @@ class LocalRuntime:
             sid = sid.strip() if sid is not None else None
             self._check_session_id(sid, streaming)
             opening = sid in (None, NEW_SESSION)
-            index = self._pick() if opening else self._lookup(sid)
+            index = self._pick() if sid is None or sid == NEW_SESSION else self._lookup(sid)
             headers = self._forward_headers(h, streaming)
             url = self.instances[index] + "/invocations"
             with self._lock:
@@ -498,7 +498,7 @@ def _container_frames(r: httpx.Response) -> Iterator[bytes]:
 def _read_body(h: _Handler) -> bytes:
     """The request body, by Content-Length or chunked transfer coding."""
     if "chunked" in (h.headers.get("Transfer-Encoding") or "").lower():
-        parts = []
+        parts: list[bytes] = []
         while True:
             size = int(h.rfile.readline().split(b";", 1)[0].strip() or b"0", 16)
             if size == 0:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any
@@ -279,6 +279,12 @@ def _text(obj: Mapping[str, Any], name: str, max_chars: int, *, required: bool) 
     return value
 
 
+def _required(obj: Mapping[str, Any], name: str, max_chars: int) -> str:
+    value = _text(obj, name, max_chars, required=True)
+    assert value is not None  # required: _text raised otherwise
+    return value
+
+
 def _number(
     obj: Mapping[str, Any], name: str, default: float, lo: float, hi: float, *, integer: bool
 ) -> Any:
@@ -305,7 +311,7 @@ def _parse_open(obj: Mapping[str, Any], sid: str | None, limits: Limits) -> Open
             f'"open_session" starts a new session: send {SESSION_HEADER}: {NEW_SESSION} or none',
             field="session_id",
         )
-    image = _text(obj, "image", limits.max_body_bytes, required=True)
+    image = _required(obj, "image", limits.max_body_bytes)
     system_prompt = _text(obj, "system_prompt", limits.max_system_prompt_chars, required=False)
     return OpenSession(image=image, system_prompt=system_prompt)
 
@@ -328,7 +334,7 @@ def _parse_query(obj: Mapping[str, Any], sid: str | None, limits: Limits) -> Que
     sid = _require_session(sid, "query")
     return Query(
         session_id=sid,
-        prompt=_text(obj, "prompt", limits.max_prompt_chars, required=True),
+        prompt=_required(obj, "prompt", limits.max_prompt_chars),
         params=_params(obj, limits),
         stream=_flag(obj, "stream", False),
         history=_flag(obj, "history", True),
@@ -340,8 +346,8 @@ def _parse_generate(obj: Mapping[str, Any], sid: str | None, limits: Limits) -> 
     if sid is not None:
         raise InvalidRequest('"generate" uses no session: send no session id', field="session_id")
     return Generate(
-        image=_text(obj, "image", limits.max_body_bytes, required=True),
-        prompt=_text(obj, "prompt", limits.max_prompt_chars, required=True),
+        image=_required(obj, "image", limits.max_body_bytes),
+        prompt=_required(obj, "prompt", limits.max_prompt_chars),
         system_prompt=_text(obj, "system_prompt", limits.max_system_prompt_chars, required=False),
         history=_history(obj, limits),
         params=_params(obj, limits),
@@ -392,7 +398,7 @@ def _parse_close(obj: Mapping[str, Any], sid: str | None, limits: Limits) -> Clo
     return CloseSession(session_id=_require_session(sid, "close_session"))
 
 
-_PARSERS = {
+_PARSERS: dict[str, Callable[[Mapping[str, Any], str | None, Limits], Request]] = {
     "open_session": _parse_open,
     "query": _parse_query,
     "close_session": _parse_close,

@@ -18,8 +18,9 @@ import logging
 from collections.abc import Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol
 
+from llava.contract import Engine, StateT, TurnT
 from llava.errors import KitError
 from llava.protocol import (
     CLOSED_SESSION_HEADER,
@@ -29,7 +30,6 @@ from llava.protocol import (
     STREAM_CONTENT_TYPE,
     CloseSession,
     Generate,
-    GenerationParams,
     Limits,
     OpenSession,
     Query,
@@ -45,18 +45,6 @@ log = logging.getLogger(__name__)
 # How long a step with nothing else to do waits for an image download, so a batch of pending
 # opens does not spin the frontend in a tight loop.
 IDLE_WAIT_S = 0.02
-
-
-class Engine(Protocol):
-    """What the service needs from the model engine (see `llava.engine.LlavaEngine`)."""
-
-    def open_session(self, image: Any, system_prompt: str | None = None) -> Any: ...
-    def start_turn(
-        self, state: Any, prompt: str, params: GenerationParams, *, history: bool = True
-    ) -> Any: ...
-    def step(self, turns: list[Any]) -> dict[int, BaseException]: ...
-    def finish_turn(self, turn: Any) -> None: ...
-    def abort_turn(self, turn: Any) -> None: ...
 
 
 class ImageSource(Protocol):
@@ -95,9 +83,9 @@ class _Opening:
 
 
 @dataclass(eq=False)
-class _Answering:
+class _Answering(Generic[TurnT]):
     session: Session
-    turn: Any
+    turn: TurnT
     stream: bool
     transient: bool = False  # a one-shot generate: its state is dropped at the end
     sample_reply: bool = False  # answer with the AWS sample's `response_text` too
@@ -119,12 +107,12 @@ def internal_error(exc: BaseException) -> KitError:
     return KitError("internal error while serving this request; see the worker log")
 
 
-class SessionService:
+class SessionService(Generic[StateT, TurnT]):
     """Serve open / query / close requests over an engine, a session store and an image source."""
 
     def __init__(
         self,
-        engine: Engine,
+        engine: Engine[StateT, TurnT],
         store: SessionStore,
         images: ImageSource,
         *,
@@ -136,7 +124,7 @@ class SessionService:
         self.images = images
         self.limits = limits
         self._fetcher = ThreadPoolExecutor(fetch_threads, thread_name_prefix="llava-image")
-        self._work: dict[str, _Opening | _Answering] = {}
+        self._work: dict[str, _Opening | _Answering[TurnT]] = {}
 
     def close(self) -> None:
         """Stop the image fetch threads."""
@@ -167,7 +155,7 @@ class SessionService:
         return [replies.get(item.request_id) for item in batch]
 
     # -- admission -------------------------------------------------------------------------
-    def _guard(self, fn: Any, item: Incoming) -> Reply | None:
+    def _guard(self, fn: Any, item: Incoming | None) -> Reply | None:
         try:
             return fn(item)
         except KitError as exc:
@@ -237,7 +225,8 @@ class SessionService:
         del self._work[request_id]
         if isinstance(work.request, Generate):
             return self._guard(lambda _: self._start_generate(request_id, work), None)
-        state = None
+        assert work.slot is not None  # an open always holds a slot
+        state: StateT | None = None
         try:
             state = self.engine.open_session(work.image.result(), work.request.system_prompt)
             session = self.store.add(work.slot, state, state.nbytes)
@@ -260,6 +249,7 @@ class SessionService:
     def _start_generate(self, request_id: str, work: _Opening) -> None:
         """Turn a one-shot generate whose image arrived into an answer with a transient state."""
         request = work.request
+        assert isinstance(request, Generate)
         state = self.engine.open_session(work.image.result(), request.system_prompt, prefill=False)
         try:
             self.engine.replay(state, list(request.history))
@@ -281,6 +271,7 @@ class SessionService:
             errors = dict.fromkeys(range(len(running)), exc)
         replies: dict[str, Reply] = {}
         for i, (request_id, work) in enumerate(running):
+            reply: Reply | None
             try:
                 if i in errors:
                     reply = self._fail_answer(request_id, work, errors[i])
@@ -318,12 +309,12 @@ class SessionService:
             self._end_turn(work)
         usage = turn.usage()
         if work.stream:
-            body = b""
+            chunk = b""
             if turn.delta:
-                body += stream_line({"text": turn.delta})
-            body += stream_line({"usage": usage, "finish_reason": turn.finish_reason})
-            return self._stream_reply(work, body, last=True)
-        body = {"text": turn.text, "usage": usage}
+                chunk += stream_line({"text": turn.delta})
+            chunk += stream_line({"usage": usage, "finish_reason": turn.finish_reason})
+            return self._stream_reply(work, chunk, last=True)
+        body: dict[str, Any] = {"text": turn.text, "usage": usage}
         if work.sample_reply:
             body["response_text"] = turn.text
         if not work.transient:

@@ -67,7 +67,7 @@ class SessionHandler:
     """Load the engine once per worker, then serve every step of every request."""
 
     def __init__(self) -> None:
-        self.service: SessionService | None = None
+        self.service: SessionService[Any, Any] | None = None
         self.config: ServerConfig | None = None
         self.memory: Any = None
         self._last_tiers: dict[str, Any] | None = None
@@ -75,7 +75,8 @@ class SessionHandler:
 
     def initialize(self, context: Any) -> None:
         """Build config, engine, session store and image loader from the model archive."""
-        from llava.engine import LlavaEngine  # torch is imported here, never at module import
+        from llava.contract import Engine
+        from llava.engine import LlavaEngine, SessionState, Turn  # torch is imported here only
         from llava.engine.memory import TieredMemory
         from llava.images import ImageLoader, ImagePolicy
         from llava.sessions import LOST, SessionStore
@@ -83,8 +84,11 @@ class SessionHandler:
         model_dir = Path(context.system_properties.get("model_dir"))
         section = (getattr(context, "model_yaml_config", None) or {}).get("handler")
         self.config = config = ServerConfig.from_mapping(section, os.environ)
-        engine = LlavaEngine.load(model_dir, config)
-        self.memory = TieredMemory(engine, config.device_budget_bytes, config.host_budget_bytes)
+        llava_engine = LlavaEngine.load(model_dir, config)
+        engine: Engine[SessionState, Turn] = llava_engine  # mypy checks the contract here
+        self.memory = TieredMemory(
+            llava_engine, config.device_budget_bytes, config.host_budget_bytes
+        )
         registry, lost = open_registry(context)
         store = SessionStore(
             ttl_s=config.session_ttl_s,
@@ -120,6 +124,8 @@ class SessionHandler:
                 )
                 for i, row in enumerate(data)
             ]
+            if self.service is None:
+                raise RuntimeError("handle() called before initialize()")
             replies = self.service.step(batch)
         except Exception as exc:  # a bug above the per-request guards: still answer each one
             replies = [error_reply(internal_error(exc))] * len(data)
@@ -129,7 +135,7 @@ class SessionHandler:
     def _report_memory(self, context: Any) -> None:
         """Publish sessions and bytes per memory tier as TorchServe gauges when they change."""
         metrics = getattr(context, "metrics", None)
-        if self.memory is None or metrics is None:
+        if self.memory is None or metrics is None or self.service is None:
             return
         store = self.service.store
         if store.version == self._reported_version:

@@ -21,10 +21,12 @@ def discover_role() -> str:
             "no role ARN given: pass --role-arn arn:aws:iam::<account>:role/<SageMaker execution "
             "role> (discovering it needs the sagemaker SDK inside a SageMaker notebook)"
         ) from None
-    getter = getattr(sagemaker, "get_execution_role", None)
+    getter: Any = getattr(sagemaker, "get_execution_role", None)
     if getter is None:  # SDK 3.x moved it
-        from sagemaker.core.helper.session_helper import get_execution_role as getter
-    return getter()
+        from sagemaker.core.helper import session_helper
+
+        getter = session_helper.get_execution_role
+    return str(getter())
 
 
 def discover_bucket(

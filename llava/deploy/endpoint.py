@@ -81,7 +81,9 @@ def deploy(
     timeout = timeout_s or (
         spec.model_data_download_timeout_s + spec.container_startup_health_check_timeout_s + 1800
     )
-    waits = dict(poll_s=poll_s, timeout_s=timeout, progress=progress, sleep=sleep, clock=clock)
+    waits: dict[str, Any] = dict(
+        poll_s=poll_s, timeout_s=timeout, progress=progress, sleep=sleep, clock=clock
+    )
     hint = f"\n(see CloudWatch log group /aws/sagemaker/Endpoints/{spec.name}; "
     hint += f"remove it with `python -m llava delete --name {spec.name}`)"
 
@@ -169,7 +171,7 @@ def deploy(
             if v.get("ModelName") and v["ModelName"] != model_name
         ]
         if old:
-            stale.append(("endpoint config", old_config))
+            stale.append(("endpoint config", str(old_config)))
         _rollback(sm, stale, progress, verb="removing the replaced")  # config first
 
     if spec.inference_component:

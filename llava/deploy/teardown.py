@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from llava.deploy.aws import _client, _describe_or_none, _is_missing, _paginate
@@ -49,7 +50,9 @@ def delete(
     sm = _client("sagemaker", sm_client)
     region = getattr(getattr(sm, "meta", None), "region_name", None)
     report = DeleteReport()
-    waits = dict(poll_s=poll_s, timeout_s=timeout_s, progress=progress, sleep=sleep, clock=clock)
+    waits: dict[str, Any] = dict(
+        poll_s=poll_s, timeout_s=timeout_s, progress=progress, sleep=sleep, clock=clock
+    )
 
     def done(what: str) -> None:
         report.deleted.append(what)
@@ -113,7 +116,7 @@ def delete(
                 continue
             if wait:
                 _wait_gone(
-                    lambda n=ic_name: sm.describe_inference_component(InferenceComponentName=n),
+                    partial(sm.describe_inference_component, InferenceComponentName=ic_name),
                     what=f"inference component {ic_name}",
                     **waits,
                 )

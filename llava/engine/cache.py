@@ -30,15 +30,22 @@ class PreallocatedLayer(DynamicLayer):
             self.lazy_initialization(keys, values)
             self._expose()
 
+    def _buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return the allocated buffers (the layer must hold some)."""
+        if self._keys is None or self._values is None:
+            raise RuntimeError("cache layer has no buffers yet")
+        return self._keys, self._values
+
     def _expose(self) -> None:
-        self.keys = self._keys[:, :, : self._length]
-        self.values = self._values[:, :, : self._length]
+        keys, values = self._buffers()
+        self.keys = keys[:, :, : self._length]
+        self.values = values[:, :, : self._length]
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         new = key_states.shape[-2]
-        if self._keys is None:
+        if self._keys is None or self._values is None:
             self.lazy_initialization(key_states, value_states)
             self._keys = _empty_like(key_states, new + CHUNK)
             self._values = _empty_like(value_states, new + CHUNK)
@@ -47,8 +54,9 @@ class PreallocatedLayer(DynamicLayer):
             self._keys = _widen(self._keys, extra)
             self._values = _widen(self._values, extra)
         end = self._length + new
-        self._keys[:, :, self._length : end] = key_states
-        self._values[:, :, self._length : end] = value_states
+        keys, values = self._buffers()
+        keys[:, :, self._length : end] = key_states
+        values[:, :, self._length : end] = value_states
         self._length = end
         self._expose()
         return self.keys, self.values
@@ -72,14 +80,15 @@ class PreallocatedLayer(DynamicLayer):
                 self.lazy_initialization(keys, values)
             self._keys = _empty_like(keys, length + CHUNK)
             self._values = _empty_like(values, length + CHUNK)
-        self._keys[:, :, :length] = keys
-        self._values[:, :, :length] = values
+        own_keys, own_values = self._buffers()
+        own_keys[:, :, :length] = keys
+        own_values[:, :, :length] = values
         self._length = length
         self._expose()
 
     def move(self, device: torch.device, *, pin: bool = False) -> None:
         """Move the buffers (with their spare room) to `device`."""
-        if self._keys is None:
+        if self._keys is None or self._values is None:
             return
         self._keys, self._values = (
             _pinned(t.to(device)) if pin else t.to(device) for t in (self._keys, self._values)

@@ -69,7 +69,8 @@ def _upright(img: Image.Image) -> Image.Image:
 def _to_8bit(img: Image.Image) -> Image.Image:
     """Map 16-bit integer and float grayscale to 8-bit "L", keeping relative brightness."""
     wide = img.convert("I") if img.mode.startswith("I;16") else img
-    low, high = wide.getextrema()
+    extrema = wide.getextrema()  # a single-band image: (low, high) numbers
+    low, high = float(extrema[0]), float(extrema[1])  # type: ignore[arg-type]
     if img.mode.startswith("I;16"):
         scale, offset = 255 / 65535, 0.0
     elif img.mode == "F" and low >= 0 and high <= 1:

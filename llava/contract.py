@@ -1,0 +1,70 @@
+"""The engine contract the service relies on: every call the step loop makes, fully typed.
+
+Pure (no torch): the service and its unit tests' fake engine depend on this, never on the
+engine's module. `llava.engine.LlavaEngine` satisfies `Engine[SessionState, Turn]` (checked by
+mypy where the TorchServe adapter builds it).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, TypeVar
+
+from llava.protocol import GenerationParams
+
+
+class EngineState(Protocol):
+    """A session's state as the service sees it: opaque, with a size."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+class EngineTurn(Protocol):
+    """One answer being generated, as the service reads it after each step."""
+
+    done: bool
+    delta: str  # the text the last step produced
+    text: str
+    finish_reason: str | None
+
+    def usage(self) -> dict[str, Any]: ...
+
+
+StateT = TypeVar("StateT", bound=EngineState)
+TurnT = TypeVar("TurnT", bound=EngineTurn)
+
+
+class Engine(Protocol[StateT, TurnT]):
+    """Open sessions, start answers, advance them one step at a time, commit or roll back."""
+
+    def open_session(
+        self, image: Any, system_prompt: str | None = None, *, prefill: bool = True
+    ) -> StateT:
+        """Process an image into a new session's state (prefilled unless `prefill=False`)."""
+        ...
+
+    def replay(self, state: StateT, history: list[tuple[str, str]]) -> None:
+        """Give a state opened with `prefill=False` earlier questions and answers."""
+        ...
+
+    def release(self, state: StateT) -> None:
+        """Free a session's state."""
+        ...
+
+    def start_turn(
+        self, state: StateT, prompt: str, params: GenerationParams, *, history: bool = True
+    ) -> TurnT:
+        """Prepare an answer; raise `InvalidRequest` for prompts the model cannot take."""
+        ...
+
+    def step(self, turns: list[TurnT]) -> dict[int, BaseException]:
+        """Advance every unfinished turn once; return each failure by position."""
+        ...
+
+    def finish_turn(self, turn: TurnT) -> None:
+        """Commit a finished answer to its session."""
+        ...
+
+    def abort_turn(self, turn: TurnT) -> None:
+        """Roll a session back to before an unfinished answer."""
+        ...
