@@ -60,7 +60,7 @@ def test_open_query_follow_up_close(server, client, route):
 
     r = post(client, url, {"type": "close_session"}, sid)
     assert r.status_code == 200 and r.headers[CLOSED_SESSION_HEADER] == sid
-    assert r.json() == {"session_id": sid, "closed": True}
+    assert r.json() == {"session_id": sid, "closed": True, "success": True}
 
     r = post(client, url, {"type": "query", "prompt": "Still there?"}, sid)
     assert r.status_code == 400 and r.json()["error"]["code"] == "session_closed"
