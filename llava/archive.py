@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from llava.families import check_model_type
+from llava.families import checkpoint_family
 from llava.tiny.profiles import PROFILES
 
 log = logging.getLogger(__name__)
@@ -118,13 +117,9 @@ def build_archive(
 
 def check_checkpoint(model_dir: Path) -> None:
     """Refuse a directory that is not a checkpoint of a supported llava-hf family."""
-    config_file = model_dir / "config.json"
-    if not config_file.is_file():
-        raise SystemExit(f"{model_dir} is not a checkpoint directory (no config.json)")
     try:
-        model_type = json.loads(config_file.read_text()).get("model_type")
-        check_model_type(model_type, str(model_dir))
-    except (ValueError, AttributeError) as exc:
+        checkpoint_family(model_dir)
+    except (OSError, ValueError) as exc:
         raise SystemExit(str(exc)) from None
 
 

@@ -6,7 +6,9 @@ anything is packed, with the same message a worker gives at start.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -41,3 +43,14 @@ def check_model_type(model_type: object, where: str) -> Family:
             f"{where}: model_type {model_type!r} is not served by this kit. Supported: {supported}"
         )
     return family
+
+
+def checkpoint_family(model_dir: Path) -> Family:
+    """Read a checkpoint's `config.json` and return its family, or refuse it."""
+    config_file = model_dir / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(
+            f"{model_dir} has no config.json: point the archive at a LLaVA checkpoint "
+            "directory (see README, 'Serving real weights')"
+        )
+    return check_model_type(json.loads(config_file.read_text()).get("model_type"), str(model_dir))

@@ -31,11 +31,12 @@ from llava.config import ServerConfig
 from llava.engine.batch import DecodeBatch
 from llava.engine.cache import assign, crop_to, move_cache, new_cache
 from llava.engine.chat import ChatFormatter, Exchange, common_prefix
-from llava.engine.loading import HOST, load_model, read_model_type, resolve_devices
+from llava.engine.loading import HOST, load_model, resolve_devices
 from llava.engine.sampling import Detokenizer, make_generator, next_token
 from llava.engine.state import Replica, SessionState, Tier, Turn
 from llava.engine.vision import embed, image_features, image_token_id, process_image
 from llava.errors import InvalidRequest
+from llava.families import checkpoint_family
 from llava.protocol import GenerationParams
 
 
@@ -63,7 +64,7 @@ class LlavaEngine:
     def load(cls, model_dir: str | Path, config: ServerConfig) -> LlavaEngine:
         """Load the processor and one model replica per device from a checkpoint directory."""
         model_dir = Path(model_dir)
-        read_model_type(model_dir)
+        checkpoint_family(model_dir)
         processor = AutoProcessor.from_pretrained(model_dir)
         replicas = [Replica(load_model(model_dir, d, config), d) for d in resolve_devices(config)]
         engine = cls(processor, replicas, config)

@@ -8,7 +8,6 @@ passes, so a mismatch fails the worker with a message instead of answering wrong
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from pathlib import Path
@@ -17,7 +16,6 @@ from typing import Any
 import torch
 
 from llava.config import ServerConfig
-from llava.families import check_model_type
 
 log = logging.getLogger(__name__)
 
@@ -53,19 +51,6 @@ def resolve_dtype(config: ServerConfig, device: torch.device) -> torch.dtype:
     if device.type == "cuda":
         return torch.bfloat16 if native_bf16(device) else torch.float16
     return torch.float32
-
-
-def read_model_type(model_dir: Path) -> str:
-    """Read the checkpoint's model type from its config.json, refusing unsupported families."""
-    config_file = model_dir / "config.json"
-    if not config_file.is_file():
-        raise FileNotFoundError(
-            f"{model_dir} has no config.json: point the archive at a LLaVA checkpoint "
-            "directory (see README, 'Serving real weights')"
-        )
-    model_type = json.loads(config_file.read_text()).get("model_type")
-    check_model_type(model_type, str(model_dir))
-    return str(model_type)
 
 
 def load_model(model_dir: Path, device: torch.device, config: ServerConfig) -> Any:
