@@ -112,15 +112,14 @@ def _model_config(spec: TinySpec, tokenizer: Any) -> Any:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    siglip = spec.vision == "siglip"
+    siglip = spec.vision == "siglip"  # no CLS token: every patch kept, from the last layer
     return LlavaConfig(
         vision_config=vision_config,
         text_config=text_config,
         image_token_index=tokenizer.convert_tokens_to_ids(IMAGE),
         image_seq_length=spec.num_image_tokens,
         projector_hidden_act="gelu",
-        # SigLIP has no CLS token: every patch is kept ("full"), from the last layer.
-        vision_feature_select_strategy="full" if siglip else "default",
+        vision_feature_select_strategy=spec.feature_strategy,
         vision_feature_layer=-1 if siglip else -2,
         pad_token_id=tokenizer.pad_token_id,
     )
@@ -136,18 +135,18 @@ def _family_parts(spec: TinySpec, tokenizer: Any) -> tuple[Any, Any]:
     )
 
     size = spec.image_size
-    if spec.vision == "siglip":
+    siglip = spec.vision == "siglip"
+    if siglip:
         image_processor = SiglipImageProcessorPil(size={"height": size, "width": size})
     else:
         image_processor = CLIPImageProcessorPil(
             size={"shortest_edge": size}, crop_size={"height": size, "width": size}
         )
-    siglip = spec.vision == "siglip"
     processor = LlavaProcessor(
         image_processor=image_processor,
         tokenizer=tokenizer,
         patch_size=spec.patch_size,
-        vision_feature_select_strategy="full" if siglip else "default",
+        vision_feature_select_strategy=spec.feature_strategy,
         num_additional_image_tokens=0 if siglip else 1,
         chat_template=CHATML_INTERLEAVE if spec.text == "qwen2" else LLAVA15,
     )

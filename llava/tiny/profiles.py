@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,11 @@ class TinySpec:
     # Random weights at the usual 0.02 give near-flat logits, so greedy decoding repeats one
     # token whatever the input; a wide init makes outputs depend on the image and prompt.
     initializer_range: float = 0.2
+
+    @property
+    def feature_strategy(self) -> str:
+        """Return which vision features the projector takes: SigLIP has no CLS token to drop."""
+        return "full" if self.vision == "siglip" else "default"
 
     @property
     def num_image_tokens(self) -> int:
@@ -66,22 +71,13 @@ PROFILES: dict[str, TinySpec] = {
         text_intermediate=1376,
         max_position_embeddings=4096,
     ),
-    # Qwen2 text (byte-level BPE, ChatML) behind a SigLIP tower, as llava-interleave-qwen.
-    "interleave": TinySpec(
-        mirrors="llava-hf/llava-interleave-qwen-0.5b-hf",
-        image_size=32,
-        patch_size=8,
-        vision_hidden=32,
-        vision_layers=2,
-        vision_heads=2,
-        vision_intermediate=64,
-        text_hidden=64,
-        text_layers=2,
-        text_heads=4,
-        text_kv_heads=2,
-        text_intermediate=128,
-        max_position_embeddings=2048,
-        text="qwen2",
-        vision="siglip",
-    ),
 }
+
+# tiny's shapes with Qwen2 text (byte-level BPE, ChatML) behind a SigLIP tower, as
+# llava-interleave-qwen.
+PROFILES["interleave"] = replace(
+    PROFILES["tiny"],
+    mirrors="llava-hf/llava-interleave-qwen-0.5b-hf",
+    text="qwen2",
+    vision="siglip",
+)
