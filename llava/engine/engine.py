@@ -34,7 +34,13 @@ from llava.engine.chat import ChatFormatter, Exchange, common_prefix
 from llava.engine.loading import HOST, load_model, resolve_devices
 from llava.engine.sampling import Detokenizer, make_generator, next_token
 from llava.engine.state import Replica, SessionState, Tier, Turn
-from llava.engine.vision import embed, image_features, image_token_id, process_image
+from llava.engine.vision import (
+    embed,
+    image_features,
+    image_token_id,
+    model_inputs,
+    process_image,
+)
 from llava.errors import InvalidRequest
 from llava.families import checkpoint_family
 from llava.protocol import GenerationParams
@@ -361,12 +367,10 @@ class LlavaEngine:
             ids = self.chat.tokenize(self.chat.prefix_text(None), [processed.tokens])
             features = image_features(replica.model, processed, replica.device)
             ours = self._forward(replica, new_cache(self.num_layers), ids, features, 0)
-            inputs = {
-                k: v.to(replica.device, replica.model.dtype) if v.is_floating_point() else v
-                for k, v in processed.inputs.items()
-            }
             theirs = replica.model(
-                input_ids=torch.tensor([ids], device=replica.device), logits_to_keep=1, **inputs
+                input_ids=torch.tensor([ids], device=replica.device),
+                logits_to_keep=1,
+                **model_inputs(replica.model, processed, replica.device),
             ).logits[0, -1]
         except Exception as exc:
             raise RuntimeError(

@@ -46,13 +46,17 @@ def process_image(processor: Any, image: Any, token_id: int) -> ProcessedImage:
     return ProcessedImage({k: v for k, v in out.items() if isinstance(v, torch.Tensor)}, tokens)
 
 
-def image_features(model: Any, image: ProcessedImage, device: torch.device) -> torch.Tensor:
-    """Run the vision tower and projector: one [tokens, hidden] tensor in the model's dtype."""
-    inputs = {
+def model_inputs(model: Any, image: ProcessedImage, device: torch.device) -> dict[str, Any]:
+    """Move the processor's outputs to `device`, pixels in the model's dtype."""
+    return {
         k: v.to(device, model.dtype) if v.is_floating_point() else v.to(device)
         for k, v in image.inputs.items()
     }
-    out = model.get_image_features(**inputs, return_dict=True)
+
+
+def image_features(model: Any, image: ProcessedImage, device: torch.device) -> torch.Tensor:
+    """Run the vision tower and projector: one [tokens, hidden] tensor in the model's dtype."""
+    out = model.get_image_features(**model_inputs(model, image, device), return_dict=True)
     pooled = getattr(out, "pooler_output", out)
     if isinstance(pooled, (list, tuple)):
         features = torch.cat([p.reshape(-1, p.shape[-1]) for p in pooled])
