@@ -20,11 +20,10 @@ Message = dict[str, Any]
 
 @dataclass(frozen=True)
 class Exchange:
-    """One finished question and answer; `image` says the question came with a new image."""
+    """One finished question and answer."""
 
     prompt: str
     answer: str
-    image: bool = False
 
 
 class ChatFormatter:
@@ -43,25 +42,17 @@ class ChatFormatter:
         self.prefix_text(None)  # fail at load time, not on the first request
 
     def messages(
-        self,
-        system_prompt: str | None,
-        history: Sequence[Exchange],
-        prompt: str,
-        *,
-        image: bool = False,
+        self, system_prompt: str | None, history: Sequence[Exchange], prompt: str
     ) -> list[Message]:
         """Build the chat messages: the session's image comes with the first question."""
         out = [_message("system", system_prompt)] if system_prompt else []
-        questions = [(e.prompt, e.image) for e in history] + [(prompt, image)]
-        answers = [e.answer for e in history]
-        for i, (question, with_image) in enumerate(questions):
-            content: list[dict[str, str]] = []
-            if i == 0 or with_image:
-                content.append({"type": "image"})
-            content.append({"type": "text", "text": question})
+        for i, question in enumerate([e.prompt for e in history] + [prompt]):
+            content: list[dict[str, str]] = [{"type": "text", "text": question}]
+            if i == 0:
+                content.insert(0, {"type": "image"})
             out.append({"role": "user", "content": content})
-            if i < len(answers):
-                out.append(_message("assistant", answers[i]))
+            if i < len(history):
+                out.append(_message("assistant", history[i].answer))
         return out
 
     def render(self, messages: list[Message]) -> str:

@@ -170,9 +170,8 @@ class LlavaEngine:
                 field="prompt",
             )
         past = state.history if history else []
-        images = 1 + sum(e.image for e in past)
         text = self.chat.render(self.chat.messages(state.system_prompt, past, prompt))
-        ids = self.chat.tokenize(text, state.image_tokens[:images])
+        ids = self.chat.tokenize(text, state.image_tokens)
         room = self.max_context - len(ids)
         if room < 1:
             raise InvalidRequest(
