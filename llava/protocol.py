@@ -119,8 +119,7 @@ def header(headers: Mapping[str, Any], name: str) -> str | None:
 
 def parse_request(body: Any, headers: Mapping[str, Any], limits: Limits = Limits()) -> Request:
     """Validate one request body and its session header into a typed request."""
-    raw = _decode_body(body, headers, limits)
-    obj = _translate_dialects(raw)
+    obj, sample_reply = _translate_dialects(_decode_body(body, headers, limits))
     kind = obj.get("type")
     if kind is None:
         raise InvalidRequest(
@@ -135,7 +134,7 @@ def parse_request(body: Any, headers: Mapping[str, Any], limits: Limits = Limits
             field="type",
         )
     request = parser(obj, _session_id(obj, headers), limits)
-    if isinstance(request, Query) and raw.get("type") == "send_text_prompt":
+    if sample_reply and isinstance(request, Query):
         request = replace(request, sample_reply=True)
     return request
 
@@ -144,8 +143,10 @@ def parse_request(body: Any, headers: Mapping[str, Any], limits: Limits = Limits
 _REQUEST_TYPES = {"NEW_SESSION": "open_session", "CLOSE": "close_session"}
 
 
-def _translate_dialects(obj: dict[str, Any]) -> dict[str, Any]:
+def _translate_dialects(obj: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     """Rewrite AWS's `requestType` bodies and the AWS LLaVA sample's bodies into the kit's own.
+
+    Return the kit's body and whether the answer should carry the sample's `response_text`.
 
     - `{"requestType": "NEW_SESSION", "image": ...}` opens, `{"requestType": "CLOSE"}` closes;
     - the sample's `{"type": "start_session", "path": URL}` opens,
@@ -167,8 +168,8 @@ def _translate_dialects(obj: dict[str, Any]) -> dict[str, Any]:
     elif obj.get("type") == "start_session":
         obj = _renamed(obj, "open_session", "path", "image")
     elif obj.get("type") == "send_text_prompt":
-        obj = _renamed(obj, "query", "prompt_text", "prompt")
-    return obj
+        return _renamed(obj, "query", "prompt_text", "prompt"), True
+    return obj, False
 
 
 def _renamed(obj: dict[str, Any], kind: str, old: str, new: str) -> dict[str, Any]:
