@@ -56,6 +56,7 @@ class ServerConfig:
     image_max_pixels: int = 40_000_000
     image_timeout_s: float = 20.0
     image_fetch_threads: int = 4
+    max_images_per_session: int = 8  # the opening image and those added with questions
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

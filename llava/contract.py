@@ -52,9 +52,16 @@ class Engine(Protocol[StateT, TurnT]):
         ...
 
     def start_turn(
-        self, state: StateT, prompt: str, params: GenerationParams, *, history: bool = True
+        self,
+        state: StateT,
+        prompt: str,
+        params: GenerationParams,
+        *,
+        history: bool = True,
+        image: Any = None,
     ) -> TurnT:
-        """Prepare an answer; raise `InvalidRequest` for prompts the model cannot take."""
+        """Prepare an answer (adding `image` to the conversation); refuse what the model cannot
+        take with `InvalidRequest`."""
         ...
 
     def step(self, turns: list[TurnT]) -> dict[int, BaseException]:

@@ -17,15 +17,36 @@ class Family:
 
     model_type: str
     examples: str
-    multi_image: bool  # trained on several images in one conversation
+    # Text models of the checkpoints trained on several images per conversation.
+    multi_image_text: frozenset[str]
+    # Several images are encoded together, differently from one (no anyres tiling).
+    joint_images: bool = False
+
+    def multi_image(self, text_model_type: str) -> bool:
+        """Tell whether a checkpoint of this family with this text model takes added images."""
+        return text_model_type in self.multi_image_text
 
 
 FAMILIES: dict[str, Family] = {
     family.model_type: family
     for family in (
-        Family("llava", "llava-hf/llava-1.5-7b-hf, llava-hf/llava-interleave-qwen-0.5b-hf", False),
-        Family("llava_next", "llava-hf/llava-v1.6-mistral-7b-hf, llava-v1.6-vicuna-7b-hf", False),
-        Family("llava_onevision", "llava-hf/llava-onevision-qwen2-0.5b-ov-hf", True),
+        # llava-1.5 (Llama text) saw one image per conversation; llava-interleave-qwen, several.
+        Family(
+            "llava",
+            "llava-hf/llava-1.5-7b-hf, llava-hf/llava-interleave-qwen-0.5b-hf",
+            frozenset({"qwen2"}),
+        ),
+        Family(
+            "llava_next",
+            "llava-hf/llava-v1.6-mistral-7b-hf, llava-v1.6-vicuna-7b-hf",
+            frozenset(),
+        ),
+        Family(
+            "llava_onevision",
+            "llava-hf/llava-onevision-qwen2-0.5b-ov-hf, llava-onevision-qwen2-7b-ov-hf",
+            frozenset({"qwen2"}),
+            joint_images=True,
+        ),
     )
 }
 

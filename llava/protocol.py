@@ -71,6 +71,7 @@ class OpenSession:
 class Query:
     """Ask one question in a session; `history=False` branches from the image alone.
 
+    `image` adds a picture to the conversation with this question (multi-image models only).
     `sample_reply` answers in the AWS LLaVA sample's shape too (`response_text`).
     """
 
@@ -80,6 +81,7 @@ class Query:
     stream: bool = False
     history: bool = True
     sample_reply: bool = False
+    image: str | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -331,7 +333,7 @@ MAX_REPLAYED_TURNS = 64
 
 
 def _parse_query(obj: Mapping[str, Any], sid: str | None, limits: Limits) -> Query:
-    _check_fields(obj, _GENERATION_FIELDS | {"history"})
+    _check_fields(obj, _GENERATION_FIELDS | {"history", "image"})
     sid = _require_session(sid, "query")
     return Query(
         session_id=sid,
@@ -339,6 +341,7 @@ def _parse_query(obj: Mapping[str, Any], sid: str | None, limits: Limits) -> Que
         params=_params(obj, limits),
         stream=_flag(obj, "stream", False),
         history=_flag(obj, "history", True),
+        image=_text(obj, "image", limits.max_body_bytes, required=False),
     )
 
 

@@ -76,10 +76,13 @@ class Reply:
 
 
 @dataclass(eq=False)
-class _Opening:
-    request: OpenSession | Generate
+class _Fetching:
+    """A request waiting for its image: an open, a one-shot generate or a query adding one."""
+
+    request: OpenSession | Generate | Query
     image: Future
-    slot: Slot | None = None  # None for a one-shot generate, which holds no session
+    slot: Slot | None = None  # an open's reserved session slot
+    session: Session | None = None  # a query's session, held busy while its image arrives
 
 
 @dataclass(eq=False)
@@ -124,7 +127,7 @@ class SessionService(Generic[StateT, TurnT]):
         self.images = images
         self.limits = limits
         self._fetcher = ThreadPoolExecutor(fetch_threads, thread_name_prefix="llava-image")
-        self._work: dict[str, _Opening | _Answering[TurnT]] = {}
+        self._work: dict[str, _Fetching | _Answering[TurnT]] = {}
 
     def close(self) -> None:
         """Stop the image fetch threads."""
@@ -147,8 +150,8 @@ class SessionService(Generic[StateT, TurnT]):
                     replies[item.request_id] = reply
         self._wait_if_idle(replies)
         for request_id, work in list(self._work.items()):
-            if isinstance(work, _Opening) and work.image.done():
-                reply = self._finish_open(request_id, work)
+            if isinstance(work, _Fetching) and work.image.done():
+                reply = self._image_arrived(request_id, work)
                 if reply is not None:
                     replies[request_id] = reply
         replies.update(self._advance_answers())
@@ -166,7 +169,7 @@ class SessionService(Generic[StateT, TurnT]):
     def _admit(self, item: Incoming) -> Reply | None:
         request = parse_request(item.body, item.headers, self.limits)
         if isinstance(request, Generate):
-            self._work[item.request_id] = _Opening(request, self._fetch(request.image))
+            self._work[item.request_id] = _Fetching(request, self._fetch(request.image))
             return None
         if isinstance(request, OpenSession):
             slot = self.store.reserve()
@@ -175,20 +178,19 @@ class SessionService(Generic[StateT, TurnT]):
             except BaseException:
                 self.store.cancel(slot)
                 raise
-            self._work[item.request_id] = _Opening(request, image, slot)
+            self._work[item.request_id] = _Fetching(request, image, slot)
             return None
         if isinstance(request, Query):
             session = self.store.begin_turn(request.session_id)
             try:
-                turn = self.engine.start_turn(
-                    session.state, request.prompt, request.params, history=request.history
-                )
+                if request.image is not None:
+                    image = self._fetch(request.image)
+                    self._work[item.request_id] = _Fetching(request, image, session=session)
+                else:
+                    self._start_query(item.request_id, request, session, None)
             except BaseException:
                 self.store.end_turn(session)
                 raise
-            self._work[item.request_id] = _Answering(
-                session, turn, request.stream, sample_reply=request.sample_reply
-            )
             return None
         assert isinstance(request, CloseSession)
         session = self.store.close(request.session_id)
@@ -216,19 +218,37 @@ class SessionService(Generic[StateT, TurnT]):
     def _wait_if_idle(self, replies: dict[str, Reply]) -> None:
         if replies or any(isinstance(w, _Answering) for w in self._work.values()):
             return
-        pending = [w.image for w in self._work.values() if isinstance(w, _Opening)]
+        pending = [w.image for w in self._work.values() if isinstance(w, _Fetching)]
         if pending:
             wait(pending, timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
 
+    def _start_query(self, request_id: str, request: Query, session: Session, image: Any) -> None:
+        turn = self.engine.start_turn(
+            session.state, request.prompt, request.params, history=request.history, image=image
+        )
+        self._work[request_id] = _Answering(
+            session, turn, request.stream, sample_reply=request.sample_reply
+        )
+
     # -- opening ---------------------------------------------------------------------------
-    def _finish_open(self, request_id: str, work: _Opening) -> Reply | None:
+    def _image_arrived(self, request_id: str, work: _Fetching) -> Reply | None:
         del self._work[request_id]
-        if isinstance(work.request, Generate):
+        request = work.request
+        if isinstance(request, Generate):
             return self._guard(lambda _: self._start_generate(request_id, work), None)
+        if isinstance(request, Query):
+            assert work.session is not None  # a query always holds its session
+            session = work.session
+            try:
+                self._start_query(request_id, request, session, work.image.result())
+            except BaseException as exc:
+                self.store.end_turn(session)
+                return error_reply(exc if isinstance(exc, KitError) else internal_error(exc))
+            return None
         assert work.slot is not None  # an open always holds a slot
         state: StateT | None = None
         try:
-            state = self.engine.open_session(work.image.result(), work.request.system_prompt)
+            state = self.engine.open_session(work.image.result(), request.system_prompt)
             session = self.store.add(work.slot, state, state.nbytes)
         except BaseException as exc:
             self.store.cancel(work.slot)
@@ -246,7 +266,7 @@ class SessionService(Generic[StateT, TurnT]):
             headers={NEW_SESSION_HEADER: value, SESSION_HEADER: value},
         )
 
-    def _start_generate(self, request_id: str, work: _Opening) -> None:
+    def _start_generate(self, request_id: str, work: _Fetching) -> None:
         """Turn a one-shot generate whose image arrived into an answer with a transient state."""
         request = work.request
         assert isinstance(request, Generate)
@@ -355,11 +375,13 @@ class SessionService(Generic[StateT, TurnT]):
         try:
             if isinstance(work, _Answering):
                 self._drop_answer(request_id, work)
-            elif isinstance(work, _Opening):
+            elif isinstance(work, _Fetching):
                 del self._work[request_id]
                 work.image.cancel()
                 if work.slot is not None:
                     self.store.cancel(work.slot)
+                if work.session is not None:
+                    self.store.end_turn(work.session)
         except Exception as exc:
             internal_error(exc)
 

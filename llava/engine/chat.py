@@ -24,6 +24,7 @@ class Exchange:
 
     prompt: str
     answer: str
+    added_images: int = 0  # images sent with this question (the opening image not counted)
 
 
 class ChatFormatter:
@@ -42,14 +43,19 @@ class ChatFormatter:
         self.prefix_text(None)  # fail at load time, not on the first request
 
     def messages(
-        self, system_prompt: str | None, history: Sequence[Exchange], prompt: str
+        self,
+        system_prompt: str | None,
+        history: Sequence[Exchange],
+        prompt: str,
+        added_images: int = 0,
     ) -> list[Message]:
-        """Build the chat messages: the session's image comes with the first question."""
+        """Build the chat messages: each image comes with the question it was sent with."""
         out = [_message("system", system_prompt)] if system_prompt else []
-        for i, question in enumerate([e.prompt for e in history] + [prompt]):
-            content: list[dict[str, str]] = [{"type": "text", "text": question}]
-            if i == 0:
-                content.insert(0, {"type": "image"})
+        questions = [(e.prompt, e.added_images) for e in history] + [(prompt, added_images)]
+        for i, (question, added) in enumerate(questions):
+            images = added + (1 if i == 0 else 0)
+            content: list[dict[str, str]] = [{"type": "image"}] * images
+            content.append({"type": "text", "text": question})
             out.append({"role": "user", "content": content})
             if i < len(history):
                 out.append(_message("assistant", history[i].answer))

@@ -25,24 +25,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoProcessor, DynamicCache
+from transformers import DynamicCache
 
 from llava.config import ServerConfig
 from llava.engine.batch import DecodeBatch
 from llava.engine.cache import assign, crop_to, move_cache, new_cache
 from llava.engine.chat import ChatFormatter, Exchange, common_prefix
-from llava.engine.loading import HOST, load_model, resolve_devices
+from llava.engine.imageset import ImageEncoder, ImageSet
+from llava.engine.loading import HOST, load_model, load_processor, resolve_devices
 from llava.engine.sampling import Detokenizer, make_generator, next_token
+from llava.engine.selfcheck import self_check
 from llava.engine.state import Replica, SessionState, Tier, Turn
-from llava.engine.vision import (
-    embed,
-    image_features,
-    image_token_id,
-    model_inputs,
-    process_image,
-)
+from llava.engine.vision import embed, image_token_id
 from llava.errors import InvalidRequest
-from llava.families import checkpoint_family
+from llava.families import check_model_type, checkpoint_family
 from llava.protocol import GenerationParams
 
 
@@ -58,6 +54,14 @@ class LlavaEngine:
         model = replicas[0].model
         self.image_token_id = image_token_id(model)
         text_config = model.config.get_text_config()
+        family = check_model_type(model.config.model_type, "the loaded model")
+        self.multi_image = family.multi_image(text_config.model_type)
+        self.images = ImageEncoder(
+            processor,
+            self.image_token_id,
+            keep_pixels=config.cache_mode != "kv",
+            joint=family.joint_images,
+        )
         self.max_context = config.max_context_tokens or text_config.max_position_embeddings
         self.num_layers = text_config.num_hidden_layers
         eos = model.generation_config.eos_token_id
@@ -71,7 +75,7 @@ class LlavaEngine:
         """Load the processor and one model replica per device from a checkpoint directory."""
         model_dir = Path(model_dir)
         checkpoint_family(model_dir)
-        processor = AutoProcessor.from_pretrained(model_dir)
+        processor = load_processor(model_dir)
         replicas = [Replica(load_model(model_dir, d, config), d) for d in resolve_devices(config)]
         engine = cls(processor, replicas, config)
         engine.self_check()
@@ -93,22 +97,18 @@ class LlavaEngine:
         """
         self._refuse_placeholder(system_prompt, "system_prompt")
         replica = min(self.replicas, key=lambda r: r.sessions)
-        processed = process_image(self.processor, image, self.image_token_id)
-        prefix = self.chat.tokenize(self.chat.prefix_text(system_prompt), [processed.tokens])
-        state = SessionState(replica, system_prompt, [processed.tokens], len(prefix), None)
-        if not self.keeps_kv:  # the reference design: keep the processed image on the device
-            processed.inputs = {k: v.to(replica.device) for k, v in processed.inputs.items()}
-            state.pixels = [processed]
-            replica.sessions += 1
-            return state
-        state.features = image_features(replica.model, processed, replica.device).to(HOST)
+        images = self.images.encode(replica.model, replica.device, [image])
+        prefix = self.chat.tokenize(self.chat.prefix_text(system_prompt), images.tokens)
+        state = SessionState(replica, system_prompt, images, len(prefix))
         replica.sessions += 1
+        if not self.keeps_kv:  # the reference design: keep the processed image on the device
+            return state
         if not prefill:
             state.tier = Tier.FEATURES
             return state
         state.cache = new_cache(self.num_layers)
         try:
-            self._forward(replica, state.cache, prefix, state.features, 0)
+            self.forward(replica, state.cache, prefix, images.features, 0)
         except BaseException:
             self.release(state)
             raise
@@ -126,8 +126,8 @@ class LlavaEngine:
     def release(self, state: SessionState) -> None:
         """Free a session's state."""
         state.replica.sessions -= 1
-        state.cache = state.pixels = None
-        state.cache_ids = []
+        state.cache, state.cache_ids = None, []
+        state.images = ImageSet([], None)
 
     @torch.inference_mode()  # the caches are inference tensors: edit them in this mode
     def offload(self, state: SessionState) -> int:
@@ -159,9 +159,18 @@ class LlavaEngine:
     # -- turns -----------------------------------------------------------------------------
     @torch.inference_mode()
     def start_turn(
-        self, state: SessionState, prompt: str, params: GenerationParams, *, history: bool = True
+        self,
+        state: SessionState,
+        prompt: str,
+        params: GenerationParams,
+        *,
+        history: bool = True,
+        image: Any = None,
     ) -> Turn:
-        """Tokenize the whole conversation and find what the cache already holds of it."""
+        """Tokenize the whole conversation and find what the cache already holds of it.
+
+        `image` adds a picture to the conversation with this question (multi-image families).
+        """
         self._refuse_placeholder(prompt, "prompt")
         prompt_tokens = self.chat.count_tokens(prompt)
         if prompt_tokens > self.config.max_prompt_tokens:
@@ -169,9 +178,11 @@ class LlavaEngine:
                 f"prompt is {prompt_tokens} tokens, the limit is {self.config.max_prompt_tokens}",
                 field="prompt",
             )
+        images, reencoded = self._turn_images(state, image, history)
+        added = 0 if image is None else 1
         past = state.history if history else []
-        text = self.chat.render(self.chat.messages(state.system_prompt, past, prompt))
-        ids = self.chat.tokenize(text, state.image_tokens)
+        text = self.chat.render(self.chat.messages(state.system_prompt, past, prompt, added))
+        ids = self.chat.tokenize(text, images.tokens)
         room = self.max_context - len(ids)
         if room < 1:
             raise InvalidRequest(
@@ -182,6 +193,8 @@ class LlavaEngine:
         found = self._restore(state)
         # At least the last id is fed again: its logits give the first answer token.
         common = min(common_prefix(state.cache_ids, ids), len(ids) - 1)
+        if reencoded:  # the image tokens match but their features changed: recompute them
+            common = min(common, ids.index(self.image_token_id))
         if not self.keeps_kv:
             cache, common = new_cache(self.num_layers), 0
         elif history:
@@ -195,6 +208,8 @@ class LlavaEngine:
             prompt=prompt,
             params=params,
             branch=not history,
+            images=images,
+            added_images=added,
             cache=cache,
             start_len=common,
             ids=ids,
@@ -231,19 +246,40 @@ class LlavaEngine:
             errors.update(self._decode(replica_idx, group))
         return errors
 
+    def _turn_images(self, state: SessionState, image: Any, history: bool) -> tuple[ImageSet, bool]:
+        """Return the images of a turn's conversation, and whether the cached ones changed."""
+        model, device = state.replica.model, state.replica.device
+        if image is None:
+            if history:
+                return state.images, False
+            return self.images.first_alone(model, device, state.images)
+        if not self.multi_image:
+            raise InvalidRequest(
+                "this model was trained on one image per conversation; open a new session to "
+                "ask about another image (LLaVA-OneVision and LLaVA-Interleave take several)",
+                field="image",
+            )
+        if not history or not self.keeps_kv:
+            why = '"history": false' if not history else 'cache_mode "pixels"'
+            raise InvalidRequest(f"an image cannot be added with {why}", field="image")
+        if len(state.images.tokens) >= self.config.max_images_per_session:
+            raise InvalidRequest(
+                f"the session holds {self.config.max_images_per_session} images, the limit "
+                "(max_images_per_session); open a new session",
+                field="image",
+            )
+        return self.images.add(model, device, state.images, image)
+
     def _prefill(self, turn: Turn) -> None:
         state = turn.state
-        features = state.features
-        if state.pixels is not None:  # the reference design re-runs the vision tower
-            model, device = state.replica.model, state.replica.device
-            features = torch.cat([image_features(model, p, device) for p in state.pixels])
+        features = self.images.features(state.replica.model, state.replica.device, turn.images)
         offset = sum(1 for i in turn.fed if i == self.image_token_id)
-        logits = self._forward(state.replica, turn.cache, turn.pending, features, offset)
+        logits = self.forward(state.replica, turn.cache, turn.pending, features, offset)
         turn.fed = turn.fed + turn.pending
         turn.first_token_at = time.perf_counter()
         self._accept(turn, next_token(logits, turn.params, turn.generator))
 
-    def _forward(
+    def forward(
         self,
         replica: Replica,
         cache: DynamicCache,
@@ -291,7 +327,7 @@ class LlavaEngine:
         errors: dict[int, Exception] = {}
         for i, turn in group:
             try:
-                logits = self._forward(turn.state.replica, turn.cache, turn.pending, None, 0)
+                logits = self.forward(turn.state.replica, turn.cache, turn.pending, None, 0)
                 turn.fed = turn.fed + turn.pending
                 self._accept(turn, next_token(logits, turn.params, turn.generator))
             except Exception as exc:
@@ -337,7 +373,8 @@ class LlavaEngine:
         state = turn.state
         if self.keeps_kv:
             state.cache_ids = turn.fed
-        state.history.append(Exchange(turn.prompt, turn.text))
+        state.images = turn.images
+        state.history.append(Exchange(turn.prompt, turn.text, turn.added_images))
 
     @torch.inference_mode()
     def abort_turn(self, turn: Turn) -> None:
@@ -348,41 +385,9 @@ class LlavaEngine:
         crop_to(turn.cache, turn.start_len)
         turn.state.cache_ids = turn.fed[: turn.start_len]
 
-    @torch.inference_mode()
     def self_check(self) -> None:
-        """Prove on a blank image that this transformers accepts what the engine passes.
-
-        An older `LlavaModel.forward` silently ignores features it does not know how to take;
-        the check compares the engine's path with the model's own on the same input.
-        """
-        from PIL import Image
-
-        from llava.engine.loading import transformers_version
-
-        replica = self.replicas[0]
-        image = Image.new("RGB", (40, 30), (120, 60, 200))
-        try:
-            processed = process_image(self.processor, image, self.image_token_id)
-            ids = self.chat.tokenize(self.chat.prefix_text(None), [processed.tokens])
-            features = image_features(replica.model, processed, replica.device)
-            ours = self._forward(replica, new_cache(self.num_layers), ids, features, 0)
-            theirs = replica.model(
-                input_ids=torch.tensor([ids], device=replica.device),
-                logits_to_keep=1,
-                **model_inputs(replica.model, processed, replica.device),
-            ).logits[0, -1]
-        except Exception as exc:
-            raise RuntimeError(
-                f"transformers {transformers_version()} cannot serve this checkpoint the way the "
-                f"engine does ({exc}); install the version range in pyproject.toml"
-            ) from exc
-        tolerance = 1e-3 if replica.model.dtype == torch.float32 else 5e-2
-        scale = float(theirs.abs().max()) or 1.0
-        if float((ours.float() - theirs.float()).abs().max()) > tolerance * scale:
-            raise RuntimeError(
-                f"transformers {transformers_version()} answers differently when the engine "
-                "passes image features itself; install the version range in pyproject.toml"
-            )
+        """Prove at start that this transformers takes what the engine passes (see selfcheck)."""
+        self_check(self)
 
     def _prefix_copy(self, cache: DynamicCache | None, length: int) -> DynamicCache:
         """Return a new cache holding the first `length` positions of `cache` (shares nothing)."""

@@ -12,8 +12,8 @@ from transformers import DynamicCache
 
 from llava.engine.cache import cache_tensors
 from llava.engine.chat import Exchange
+from llava.engine.imageset import ImageSet
 from llava.engine.sampling import Detokenizer
-from llava.engine.vision import ProcessedImage
 from llava.protocol import GenerationParams
 
 
@@ -44,20 +44,18 @@ class SessionState:
     """A session's conversation, plus what is cached of it.
 
     `cache` holds the keys/values of exactly `cache_ids` (None in the FEATURES tier or in the
-    reference `pixels` mode); `features` are the projected features of the session's images in
-    order, kept in host memory so the conversation can always be recomputed; `pixels` are kept
-    only in `pixels` mode.
+    reference `pixels` mode); `images` holds the projected features of the session's images in
+    order, in host memory, so the conversation can always be recomputed (or, in `pixels` mode,
+    the processed pixels on the device).
     """
 
     replica: Replica
     system_prompt: str | None
-    image_tokens: list[int]  # image tokens of each of the session's images, in order
+    images: ImageSet
     prefix_len: int  # ids of the system prompt and the first image: the opening
-    features: torch.Tensor | None  # [sum(image_tokens), hidden] in host memory (kv mode)
     cache: DynamicCache | None = None
     cache_ids: list[int] = field(default_factory=list)  # the ids whose keys/values are cached
     tier: Tier = Tier.DEVICE
-    pixels: list[ProcessedImage] | None = None
     history: list[Exchange] = field(default_factory=list)
 
     @property
@@ -72,14 +70,13 @@ class SessionState:
     def device_bytes(self) -> int:
         """Bytes held on the replica's device (the cache, or the pixels in pixels mode)."""
         cache = self.cache_bytes if self.tier is Tier.DEVICE else 0
-        pixels = [t for image in self.pixels or [] for t in image.inputs.values()]
-        return cache + tensor_bytes(pixels)
+        return cache + self.images.device_bytes
 
     @property
     def host_bytes(self) -> int:
         """Bytes held in host memory (an offloaded cache, the image features)."""
         offloaded = self.cache_bytes if self.tier is Tier.HOST else 0
-        return offloaded + tensor_bytes([self.features])
+        return offloaded + self.images.host_bytes
 
     @property
     def nbytes(self) -> int:
@@ -99,6 +96,8 @@ class Turn:
     prompt: str
     params: GenerationParams
     branch: bool  # history=False: answer from the image alone, leave the main line untouched
+    images: ImageSet  # the images of this turn's conversation (the session's, plus an added one)
+    added_images: int  # images sent with this question
     cache: DynamicCache
     start_len: int  # cache length before this turn, to roll back on failure
     ids: list[int]

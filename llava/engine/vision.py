@@ -17,11 +17,15 @@ import torch
 
 
 @dataclass(eq=False)
-class ProcessedImage:
-    """An image as the processor prepared it: model inputs and its number of image tokens."""
+class ProcessedImages:
+    """A conversation's images as the processor prepared them: model inputs, tokens per image."""
 
-    inputs: dict[str, torch.Tensor]  # pixel_values (and image_sizes for the anyres families)
-    tokens: int
+    inputs: dict[str, torch.Tensor]  # pixel_values (image_sizes, batch_num_images: anyres)
+    tokens: list[int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.tokens)
 
 
 def image_token_id(model: Any) -> int:
@@ -35,18 +39,30 @@ def image_token_id(model: Any) -> int:
     return int(value)
 
 
-def process_image(processor: Any, image: Any, token_id: int) -> ProcessedImage:
-    """Run the processor on one image; count the image tokens it expands to."""
-    out = processor(images=[image], text=[processor.image_token], return_tensors="pt")
-    ids = out.pop("input_ids")
+def process_images(processor: Any, images: list[Any], token_id: int) -> ProcessedImages:
+    """Run the processor on one conversation's images; count the image tokens of each.
+
+    The images go in as one sample (a nested list), as `apply_chat_template` passes them: a
+    family that encodes several images differently from one (OneVision) does so here too.
+    """
+    text = "\n".join([processor.image_token] * len(images))  # a non-image id between images
+    out = processor(images=[list(images)], text=[text], return_tensors="pt")
+    ids = out.pop("input_ids")[0].tolist()
     out.pop("attention_mask", None)
-    tokens = int((ids == token_id).sum())
-    if tokens == 0:
-        raise ValueError("the processor expanded the image to no image tokens")
-    return ProcessedImage({k: v for k, v in out.items() if isinstance(v, torch.Tensor)}, tokens)
+    tokens: list[int] = []
+    run = 0
+    for i in [*ids, None]:
+        if i == token_id:
+            run += 1
+        elif run:
+            tokens, run = [*tokens, run], 0
+    if len(tokens) != len(images):
+        raise ValueError(f"the processor expanded {len(images)} images to {len(tokens)} runs")
+    inputs = {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
+    return ProcessedImages(inputs, tokens)
 
 
-def model_inputs(model: Any, image: ProcessedImage, device: torch.device) -> dict[str, Any]:
+def model_inputs(model: Any, image: ProcessedImages, device: torch.device) -> dict[str, Any]:
     """Move the processor's outputs to `device`, pixels in the model's dtype."""
     return {
         k: v.to(device, model.dtype) if v.is_floating_point() else v.to(device)
@@ -54,7 +70,7 @@ def model_inputs(model: Any, image: ProcessedImage, device: torch.device) -> dic
     }
 
 
-def image_features(model: Any, image: ProcessedImage, device: torch.device) -> torch.Tensor:
+def image_features(model: Any, image: ProcessedImages, device: torch.device) -> torch.Tensor:
     """Run the vision tower and projector: one [tokens, hidden] tensor in the model's dtype."""
     out = model.get_image_features(**model_inputs(model, image, device), return_dict=True)
     pooled = getattr(out, "pooler_output", out)
@@ -62,10 +78,10 @@ def image_features(model: Any, image: ProcessedImage, device: torch.device) -> t
         features = torch.cat([p.reshape(-1, p.shape[-1]) for p in pooled])
     else:
         features = pooled.reshape(-1, pooled.shape[-1])
-    if features.shape[0] != image.tokens:
+    if features.shape[0] != image.total:
         raise RuntimeError(
-            f"the vision tower gave {features.shape[0]} features for an image the processor "
-            f"expanded to {image.tokens} tokens: this transformers version does not match the "
+            f"the vision tower gave {features.shape[0]} features for images the processor "
+            f"expanded to {image.total} tokens: this transformers version does not match the "
             "checkpoint (see pyproject.toml for the supported range)"
         )
     return features

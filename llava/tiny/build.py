@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 from collections.abc import Sequence
@@ -10,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from llava.tiny.profiles import PROFILES, TinySpec
-from llava.tiny.templates import CHATML_INTERLEAVE, LLAVA15
+from llava.tiny.templates import CHATML_INTERLEAVE, CHATML_ONEVISION, LLAVA15, MISTRAL_NEXT
 from llava.tiny.tokenizers import (
     BOS,
     ENDOFTEXT,
@@ -18,6 +19,7 @@ from llava.tiny.tokenizers import (
     IMAGE,
     PAD,
     UNK,
+    VIDEO,
     train_llama_tokenizer,
     train_qwen_tokenizer,
 )
@@ -63,7 +65,7 @@ def _write_checkpoint(out: Path, spec: TinySpec, *, profile: str, seed: int) -> 
     # A trained LLaVA never emits these. A zero output row pins their logit at 0, far below the
     # largest random logit, so greedy decoding cannot write an <image> that the next turn of a
     # session would then try to match with image features.
-    never = [UNK, BOS, IMAGE, PAD] if spec.text == "llama" else [ENDOFTEXT, IM_START, IMAGE]
+    never = [ENDOFTEXT, IM_START, IMAGE, VIDEO] if spec.text == "qwen2" else [UNK, BOS, IMAGE, PAD]
     with torch.no_grad():
         model.get_output_embeddings().weight[tokenizer.convert_tokens_to_ids(never)] = 0
     model.generation_config = GenerationConfig(
@@ -73,6 +75,8 @@ def _write_checkpoint(out: Path, spec: TinySpec, *, profile: str, seed: int) -> 
     )
     model.save_pretrained(out)
     processor.save_pretrained(out)
+    if spec.family == "llava_onevision":
+        (out / "video_preprocessor_config.json").write_text(json.dumps(_video_config(spec)))
     params = sum(parameter.numel() for parameter in model.parameters())
     (out / "README.md").write_text(_readme(spec, profile=profile, seed=seed, params=params))
 
@@ -83,6 +87,9 @@ def _model_config(spec: TinySpec, tokenizer: Any) -> Any:
         CLIPVisionConfig,
         LlamaConfig,
         LlavaConfig,
+        LlavaNextConfig,
+        LlavaOnevisionConfig,
+        MistralConfig,
         Qwen2Config,
         SiglipVisionConfig,
     )
@@ -97,7 +104,7 @@ def _model_config(spec: TinySpec, tokenizer: Any) -> Any:
         patch_size=spec.patch_size,
         initializer_range=spec.initializer_range,
     )
-    text_class = Qwen2Config if spec.text == "qwen2" else LlamaConfig
+    text_class = {"qwen2": Qwen2Config, "mistral": MistralConfig}.get(spec.text, LlamaConfig)
     text_config = text_class(
         vocab_size=len(tokenizer),
         hidden_size=spec.text_hidden,
@@ -113,49 +120,89 @@ def _model_config(spec: TinySpec, tokenizer: Any) -> Any:
         pad_token_id=tokenizer.pad_token_id,
     )
     siglip = spec.vision == "siglip"  # no CLS token: every patch kept, from the last layer
-    return LlavaConfig(
-        vision_config=vision_config,
-        text_config=text_config,
-        image_token_index=tokenizer.convert_tokens_to_ids(IMAGE),
-        image_seq_length=spec.num_image_tokens,
-        projector_hidden_act="gelu",
-        vision_feature_select_strategy=spec.feature_strategy,
-        vision_feature_layer=-1 if siglip else -2,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    common: dict[str, Any] = {
+        "vision_config": vision_config,
+        "text_config": text_config,
+        "image_token_index": tokenizer.convert_tokens_to_ids(IMAGE),
+        "projector_hidden_act": "gelu",
+        "vision_feature_select_strategy": spec.feature_strategy,
+        "vision_feature_layer": -1 if siglip else -2,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    anyres = {"image_grid_pinpoints": [list(grid) for grid in spec.grid_pinpoints]}
+    if spec.family == "llava_next":
+        return LlavaNextConfig(**common, **anyres)
+    if spec.family == "llava_onevision":
+        return LlavaOnevisionConfig(**common, **anyres, vision_aspect_ratio="anyres_max_9")
+    return LlavaConfig(**common, image_seq_length=spec.num_image_tokens)
 
 
 def _family_parts(spec: TinySpec, tokenizer: Any) -> tuple[Any, Any]:
     """Return the model class and the processor (torchvision-free image processors)."""
-    from transformers import (
-        CLIPImageProcessorPil,
-        LlavaForConditionalGeneration,
-        LlavaProcessor,
-        SiglipImageProcessorPil,
-    )
+    import transformers
+
+    from llava.engine.loading import images_only
 
     size = spec.image_size
+    square = {"height": size, "width": size}
     siglip = spec.vision == "siglip"
-    if siglip:
-        image_processor = SiglipImageProcessorPil(size={"height": size, "width": size})
-    else:
-        image_processor = CLIPImageProcessorPil(
-            size={"shortest_edge": size}, crop_size={"height": size, "width": size}
+    template = {"qwen2": CHATML_INTERLEAVE, "mistral": MISTRAL_NEXT}.get(spec.text, LLAVA15)
+    pinpoints = [list(grid) for grid in spec.grid_pinpoints]
+    if spec.family == "llava_next":
+        image_processor = transformers.LlavaNextImageProcessorPil(
+            size={"shortest_edge": size}, crop_size=square, image_grid_pinpoints=pinpoints
         )
-    processor = LlavaProcessor(
+        return transformers.LlavaNextForConditionalGeneration, transformers.LlavaNextProcessor(
+            image_processor=image_processor,
+            tokenizer=tokenizer,
+            patch_size=spec.patch_size,
+            vision_feature_select_strategy=spec.feature_strategy,
+            num_additional_image_tokens=1,
+            chat_template=template,
+        )
+    if spec.family == "llava_onevision":
+        image_processor = transformers.LlavaOnevisionImageProcessorPil(
+            size=square, image_grid_pinpoints=pinpoints
+        )
+        # Its video processor needs torchvision, which is not installed here.
+        processor_class = images_only(transformers.LlavaOnevisionProcessor)
+        return transformers.LlavaOnevisionForConditionalGeneration, processor_class(
+            image_processor=image_processor,
+            tokenizer=tokenizer,
+            num_image_tokens=spec.num_image_tokens,
+            vision_feature_select_strategy=spec.feature_strategy,
+            chat_template=CHATML_ONEVISION,
+        )
+    if siglip:
+        image_processor = transformers.SiglipImageProcessorPil(size=square)
+    else:
+        image_processor = transformers.CLIPImageProcessorPil(
+            size={"shortest_edge": size}, crop_size=square
+        )
+    processor = transformers.LlavaProcessor(
         image_processor=image_processor,
         tokenizer=tokenizer,
         patch_size=spec.patch_size,
         vision_feature_select_strategy=spec.feature_strategy,
         num_additional_image_tokens=0 if siglip else 1,
-        chat_template=CHATML_INTERLEAVE if spec.text == "qwen2" else LLAVA15,
+        chat_template=template,
     )
-    return LlavaForConditionalGeneration, processor
+    return transformers.LlavaForConditionalGeneration, processor
+
+
+def _video_config(spec: TinySpec) -> dict[str, Any]:
+    """Return OneVision's video_preprocessor_config.json, for a loader that has torchvision."""
+    return {
+        "video_processor_type": "LlavaOnevisionVideoProcessor",
+        "processor_class": "LlavaOnevisionProcessor",
+        "size": {"height": spec.image_size, "width": spec.image_size},
+    }
 
 
 def _readme(spec: TinySpec, *, profile: str, seed: int, params: int) -> str:
     """Return the checkpoint's README text."""
     tokenizer = "byte-level BPE (Qwen2)" if spec.text == "qwen2" else "byte-fallback BPE (Llama)"
+    anyres = f", anyres tiles {list(spec.grid_pinpoints)}" if spec.grid_pinpoints else ""
     return f"""\
 # Random-weight LLaVA ({profile})
 
@@ -166,7 +213,9 @@ processor kind, tokenizer kind and chat template.
 
 - built by `python -m llava.tiny OUT_DIR --profile {profile} --seed {seed}`
 - {params:,} parameters
-- image {spec.image_size}px, patch {spec.patch_size}px: {spec.num_image_tokens} image tokens
+- image {spec.image_size}px, patch {spec.patch_size}px: \
+{spec.num_image_tokens} image tokens per tile{anyres}
+- model type: {spec.family}
 - vision: {spec.vision}, hidden {spec.vision_hidden}, {spec.vision_layers} layers
 - text: {spec.text}, hidden {spec.text_hidden}, {spec.text_layers} layers, \
 {spec.text_heads} heads ({spec.text_kv_heads} KV)

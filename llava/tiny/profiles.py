@@ -22,8 +22,12 @@ class TinySpec:
     text_kv_heads: int
     text_intermediate: int
     max_position_embeddings: int
-    text: str = "llama"  # "llama": SentencePiece-style tokenizer; "qwen2": byte-level BPE
+    family: str = "llava"  # the config's model_type: llava, llava_next or llava_onevision
+    # "llama" / "mistral": SentencePiece-style tokenizer; "qwen2": byte-level BPE
+    text: str = "llama"
     vision: str = "clip"  # "clip" (CLS token dropped) or "siglip" (no CLS, every patch kept)
+    # anyres (NeXT, OneVision): the (height, width) grids an image is tiled to, in pixels
+    grid_pinpoints: tuple[tuple[int, int], ...] = ()
     # Random weights at the usual 0.02 give near-flat logits, so greedy decoding repeats one
     # token whatever the input; a wide init makes outputs depend on the image and prompt.
     initializer_range: float = 0.2
@@ -35,7 +39,7 @@ class TinySpec:
 
     @property
     def num_image_tokens(self) -> int:
-        """Return how many image tokens one image expands to (CLIP's CLS token dropped)."""
+        """Return the image tokens of one base tile (anyres families add tiles and newlines)."""
         return (self.image_size // self.patch_size) ** 2
 
 
@@ -80,4 +84,25 @@ PROFILES["interleave"] = replace(
     mirrors="llava-hf/llava-interleave-qwen-0.5b-hf",
     text="qwen2",
     vision="siglip",
+)
+
+# llava-v1.6-mistral-7b-hf: LLaVA-NeXT with Mistral text (SentencePiece, [INST] template) behind
+# CLIP, anyres tiling over its five grids (336x672 ... 1008x336), scaled to the 32px tile.
+PROFILES["next"] = replace(
+    PROFILES["tiny"],
+    mirrors="llava-hf/llava-v1.6-mistral-7b-hf",
+    family="llava_next",
+    text="mistral",
+    grid_pinpoints=((32, 64), (64, 32), (64, 64), (32, 96), (96, 32)),
+)
+
+# llava-onevision-qwen2-0.5b-ov-hf: Qwen2 text (byte-level BPE, ChatML) behind SigLIP, anyres_max_9
+# over a 1..6 x 1..6 tile grid (384px tiles), scaled to a 1..3 x 1..3 grid of 32px tiles.
+PROFILES["onevision"] = replace(
+    PROFILES["tiny"],
+    mirrors="llava-hf/llava-onevision-qwen2-0.5b-ov-hf",
+    family="llava_onevision",
+    text="qwen2",
+    vision="siglip",
+    grid_pinpoints=tuple((32 * h, 32 * w) for h in range(1, 4) for w in range(1, 4)),
 )

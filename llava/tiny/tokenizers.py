@@ -17,6 +17,7 @@ UNK, BOS, EOS, IMAGE, PAD = "<unk>", "<s>", "</s>", "<image>", "<pad>"
 BPE_VOCAB_SIZE = 768
 # Qwen2's special tokens: <|endoftext|> pads, <|im_end|> ends a chat turn (the model's EOS).
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+VIDEO = "<video>"  # OneVision's processor looks it up; nothing here feeds videos
 
 CORPUS = """\
 The picture shows a small brown dog sitting on a wooden floor next to a red ball. Behind the dog
@@ -97,7 +98,7 @@ def train_qwen_tokenizer() -> Any:
     model = json.loads(learner.to_str())["model"]
     merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
     tokenizer = Qwen2Tokenizer(vocab=model["vocab"], merges=merges, errors="replace")
-    specials = [ENDOFTEXT, IM_START, IM_END, IMAGE]
+    specials = [ENDOFTEXT, IM_START, IM_END, IMAGE, VIDEO]
     tokenizer.add_tokens(
         [AddedToken(t, special=True, normalized=False) for t in specials], special_tokens=True
     )

@@ -124,7 +124,7 @@ def test_pixels_mode_is_the_reference_design_with_the_same_answers(tiny_checkpoi
     pixels = LlavaEngine.load(tiny_checkpoint, ServerConfig(device="cpu", cache_mode="pixels"))
     image = make_image(5)
     state = pixels.open_session(image)
-    assert state.cache is None and state.pixels is not None
+    assert state.cache is None and state.images.processed is not None
     turns = [answer(pixels, state, p) for p in PROMPTS[:3]]
     assert [t.text for t in turns] == reference.answers(image, PROMPTS[:3], 10)
     assert all(t.cached_tokens == 0 for t in turns)  # everything recomputed every turn

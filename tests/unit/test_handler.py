@@ -91,7 +91,13 @@ class FakeEngine:
         return FakeState(image)
 
     def start_turn(
-        self, state: Any, prompt: str, params: GenerationParams, *, history: bool = True
+        self,
+        state: Any,
+        prompt: str,
+        params: GenerationParams,
+        *,
+        history: bool = True,
+        image: Any = None,
     ) -> FakeTurn:
         return FakeTurn(prompt.split())
 

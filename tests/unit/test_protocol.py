@@ -251,7 +251,7 @@ def test_session_id_with_trailing_newline_is_rejected() -> None:
     [
         ({"type": "open_session", "image": IMAGE, "prompt": "x"}, "prompt"),
         ({"type": "open_session", "image": IMAGE, "zzz": 1, "aaa": 2}, "aaa"),
-        (query(image=IMAGE), "image"),
+        (query(images=[IMAGE]), "images"),
         (query(temprature=0.5), "temprature"),
         ({"type": "close_session", "prompt": "bye"}, "prompt"),
     ],
@@ -719,3 +719,10 @@ def test_the_samples_bodies_name_their_own_fields_in_errors() -> None:
     assert info.value.field == "prompt_text"
     with pytest.raises(InvalidRequest, match='takes "path"'):
         parse_request(json.dumps({"type": "start_session", "image": "s3://b/k"}), {})
+
+
+def test_a_query_may_carry_an_image_to_add_to_the_conversation() -> None:
+    request = parse_request(query(image=IMAGE), sid_headers())
+    assert isinstance(request, Query) and request.image == IMAGE
+    assert parse_request(query(), sid_headers()).image is None
+    assert rejected(query(image=["a"]), sid_headers()).field == "image"

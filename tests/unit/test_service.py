@@ -107,9 +107,17 @@ class FakeEngine:
         return FakeState(image, system_prompt)
 
     def start_turn(
-        self, state: FakeState, prompt: str, params: GenerationParams, *, history: bool = True
+        self,
+        state: FakeState,
+        prompt: str,
+        params: GenerationParams,
+        *,
+        history: bool = True,
+        image: Any = None,
     ) -> FakeTurn:
-        self.calls.append(("start_turn", prompt))
+        self.calls.append(
+            ("start_turn", prompt) if image is None else ("start_turn", (prompt, image))
+        )
         if prompt in self.start_raises:
             raise self.start_raises[prompt]
         words = prompt.split()[: params.max_new_tokens]
