@@ -57,28 +57,34 @@ class Reference:
     """The model's own pipeline, the oracle: `apply_chat_template` + processor + `generate`.
 
     Shares nothing with the kit's engine: each answer is computed from the whole conversation
-    rendered as text, exactly as a stateless transformers user would.
+    rendered as text, with every image of it passed as one sample, exactly as a stateless
+    transformers user (or `apply_chat_template(..., tokenize=True)`) would.
     """
 
     def __init__(self, checkpoint: Path, dtype: Any = None) -> None:
-        from transformers import AutoModelForImageTextToText, AutoProcessor
+        from transformers import AutoModelForImageTextToText
 
-        self.processor = AutoProcessor.from_pretrained(checkpoint)
+        self.processor = _load_processor(checkpoint)
         kwargs = {"dtype": dtype} if dtype is not None else {}
         self.model = AutoModelForImageTextToText.from_pretrained(checkpoint, **kwargs).eval()
 
     @staticmethod
     def messages(
-        system_prompt: str | None, history: list[tuple[str, str]], prompt: str
+        system_prompt: str | None,
+        history: list[tuple[str, str]],
+        prompt: str,
+        images: list[int] | None = None,
     ) -> list[dict[str, Any]]:
-        """Write a conversation as chat messages, the image with the first question."""
+        """Write a conversation as chat messages; `images[i]` images come with question i
+        (default: one, with the first question)."""
+        questions = [*history, (prompt, None)]
+        counts = images if images is not None else [1] + [0] * (len(questions) - 1)
         out: list[dict[str, Any]] = []
         if system_prompt:
             out.append({"role": "system", "content": [{"type": "text", "text": system_prompt}]})
-        for i, (question, answer) in enumerate([*history, (prompt, None)]):
-            content: list[dict[str, str]] = [{"type": "text", "text": question}]
-            if i == 0:
-                content.insert(0, {"type": "image"})
+        for (question, answer), count in zip(questions, counts, strict=True):
+            content: list[dict[str, str]] = [{"type": "image"} for _ in range(count)]
+            content.append({"type": "text", "text": question})
             out.append({"role": "user", "content": content})
             if answer is not None:
                 out.append({"role": "assistant", "content": [{"type": "text", "text": answer}]})
@@ -96,7 +102,7 @@ class Reference:
         text = self.processor.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=False
         )
-        inputs = self.processor(images=images, text=text, return_tensors="pt")
+        inputs = self.processor(images=[images], text=[text], return_tensors="pt")
         inputs = {
             k: v.to(self.model.dtype) if v.is_floating_point() else v for k, v in inputs.items()
         }
@@ -113,14 +119,42 @@ class Reference:
         system_prompt: str | None = None,
         *,
         history: bool = True,
+        added: dict[int, Image.Image] | None = None,
     ) -> list[str]:
-        """Answer each prompt in turn, each from the whole conversation so far."""
+        """Answer each prompt in turn, each from the whole conversation so far.
+
+        `added[i]` is an image sent with prompt i, joining the conversation from then on.
+        """
+        added = added or {}
         past: list[tuple[str, str]] = []
         answers = []
-        for prompt in prompts:
-            messages = self.messages(system_prompt, past if history else [], prompt)
-            answer = self.answer([image], messages, max_new_tokens)
+        for i, prompt in enumerate(prompts):
+            if history:
+                counts = [1 + (0 in added)] + [int(j in added) for j in range(1, i + 1)]
+                images = [image] + [added[j] for j in range(i + 1) if j in added]
+                messages = self.messages(system_prompt, past, prompt, counts)
+            else:
+                images, messages = [image], self.messages(system_prompt, [], prompt)
+            answer = self.answer(images, messages, max_new_tokens)
             if history:
                 past.append((prompt, answer))
             answers.append(answer)
         return answers
+
+
+def _load_processor(checkpoint: Path) -> Any:
+    """Load a checkpoint's processor; without torchvision, OneVision's leaves out its video part."""
+    from transformers import AutoProcessor
+    from transformers.utils import is_torchvision_available
+
+    config = json.loads((checkpoint / "processor_config.json").read_text())
+    if is_torchvision_available() or config["processor_class"] != "LlavaOnevisionProcessor":
+        return AutoProcessor.from_pretrained(checkpoint)
+    from transformers import LlavaOnevisionProcessor
+
+    class NoVideo(LlavaOnevisionProcessor):
+        @classmethod
+        def get_attributes(cls) -> list[str]:
+            return ["image_processor", "tokenizer"]
+
+    return NoVideo.from_pretrained(checkpoint)

@@ -2,13 +2,16 @@
 
 The oracle (`helpers.Reference`) renders the whole conversation with `apply_chat_template`,
 runs the processor and `generate` from scratch for every turn; it shares no code with the kit.
-Two tokenizer kinds: SentencePiece-style (Metaspace) with llava-1.5's template, where tokenizing a
-turn on its own gives different ids, and Qwen2's byte-level BPE with ChatML (interleave).
+Every family: LLaVA-1.5 (`tiny`: SentencePiece-style, where tokenizing a turn on its own gives
+different ids), Interleave (Qwen2 byte-level BPE, ChatML), NeXT (Mistral's [INST] template, anyres
+tiles) and OneVision (Qwen2, anyres_max_9), whose image-token counts vary with the image's size.
+Each server has a device budget of about two sessions, so later turns come back from host memory.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -26,7 +29,11 @@ PROMPTS = ["What is this?", "Describe the colors.", "Is it big?", "Why?"]
 TOKENS = 12
 
 
-@pytest.fixture(scope="module", params=["tiny", "interleave"])
+# Non-square images of several sizes: anyres families tile each differently.
+SIZES = [(61, 37), (30, 90), (80, 64)]
+
+
+@pytest.fixture(scope="module", params=["tiny", "interleave", "next", "onevision"])
 def served(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[TorchServe, Reference]]:
@@ -35,7 +42,8 @@ def served(
     checkpoint = build_checkpoint(tmp_path_factory.mktemp("ckpt") / profile, profile)
     store = tmp_path_factory.mktemp(f"store-{profile}")
     build_archive(checkpoint, store, name="llava")
-    server = start_server(store, tmp_path_factory.mktemp(f"ts-{profile}"))
+    budget = {"LLAVA_DEVICE_BUDGET_MB": "0.04"}  # a few sessions' caches
+    server = start_server(store, tmp_path_factory.mktemp(f"ts-{profile}"), **budget)
     try:
         yield server, Reference(Path(checkpoint))
     finally:
@@ -51,8 +59,8 @@ def client() -> Iterator[httpx.Client]:
 def test_four_turns_equal_the_pipeline_with_and_without_a_system_prompt(served, client):
     server, reference = served
     url = server.url("/predictions/llava")
-    for seed, system_prompt in [(10, None), (11, "Answer briefly.")]:
-        image = make_image(seed, (61, 37))  # not square: resize and crop both run
+    for seed, size, system_prompt in [(10, SIZES[0], None), (11, SIZES[1], "Answer briefly.")]:
+        image = make_image(seed, size)  # not square: resize, crop and tiling all run
         extra = {"system_prompt": system_prompt} if system_prompt else {}
         sid = open_session(client, url, data_uri(image), **extra)
         bodies = [ask(client, url, sid, p, max_new_tokens=TOKENS) for p in PROMPTS]
@@ -94,3 +102,27 @@ def test_usage_counts_every_fed_token_once(served, client):
         usage = body["usage"]
         assert usage["cached_tokens"] + usage["prefill_tokens"] == len(ids)
         past.append((prompt, body["text"]))
+
+
+def test_concurrent_sessions_with_different_image_token_counts(served, client):
+    """Sessions whose images expand to different token counts decode side by side."""
+    server, reference = served
+    url = server.url("/predictions/llava")
+    images = [make_image(20 + i, size) for i, size in enumerate(SIZES)]
+    sids = [open_session(client, url, data_uri(image)) for image in images]
+
+    def converse(sid: str) -> list[dict]:
+        return [ask(client, url, sid, p, max_new_tokens=TOKENS) for p in PROMPTS[:3]]
+
+    with ThreadPoolExecutor(len(sids)) as pool:
+        results = list(pool.map(converse, sids))
+    for image, bodies in zip(images, results, strict=True):
+        assert [b["text"] for b in bodies] == reference.answers(image, PROMPTS[:3], TOKENS)
+    opening = {b[0]["usage"]["cached_tokens"] + b[0]["usage"]["prefill_tokens"] for b in results}
+    if reference.model.config.model_type != "llava":
+        assert len(opening) > 1  # anyres: the images took different numbers of tokens
+    for seed in range(4):  # newer sessions push the first ones past the device budget
+        open_session(client, url, data_uri(make_image(30 + seed, SIZES[seed % 3])))
+    follow = ask(client, url, sids[0], PROMPTS[3], max_new_tokens=TOKENS)
+    assert follow["usage"]["session_tier"] == "host"
+    assert follow["text"] == reference.answers(images[0], PROMPTS, TOKENS)[3]
