@@ -1,0 +1,111 @@
+"""Print the README's table of supported checkpoints: image tokens per image and session memory.
+
+Token counts come from transformers' own processors (their `_get_number_of_features`, the code
+that expands `<image>`), configured as the llava-hf repositories are; the KV-cache size per token
+from each text model's published config (layers x KV heads x head size x 2 x 2 bytes, bf16).
+Nothing is downloaded.
+
+    python bench/families.py        # prints the table, saves bench/results/families.md
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import LlavaNextImageProcessorPil, LlavaNextProcessor, LlavaOnevisionProcessor
+from transformers import LlavaOnevisionImageProcessorPil as OnevisionImages
+
+from llava.tiny.tokenizers import train_qwen_tokenizer
+
+# (height, width) of the images the table is computed for.
+IMAGES = {"640x480": (480, 640), "1024x768": (768, 1024), "1920x1080": (1080, 1920)}
+NEXT_GRIDS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
+ONEVISION_GRIDS = [[384 * h, 384 * w] for h in range(1, 7) for w in range(1, 7)]
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    repo: str
+    kind: str  # "fixed", "next" or "onevision": how its processor counts image tokens
+    fixed_tokens: int  # tokens per image for "fixed"; per tile for the anyres kinds
+    layers: int
+    kv_heads: int
+    head_dim: int
+    several_images: str = "no"
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.layers * self.kv_heads * self.head_dim * 2 * 2  # keys and values, bf16
+
+
+CHECKPOINTS = [
+    Checkpoint("llava-hf/llava-1.5-7b-hf", "fixed", 576, 32, 32, 128),
+    Checkpoint("llava-hf/llava-1.5-13b-hf", "fixed", 576, 40, 40, 128),
+    Checkpoint("llava-hf/llava-v1.6-mistral-7b-hf", "next", 576, 32, 8, 128),
+    Checkpoint("llava-hf/llava-v1.6-vicuna-7b-hf", "next", 576, 32, 32, 128),
+    Checkpoint("llava-hf/llava-v1.6-34b-hf", "next", 576, 60, 8, 128),
+    Checkpoint(
+        "llava-hf/llava-interleave-qwen-0.5b-hf", "fixed", 729, 24, 16, 64, "yes, appended"
+    ),
+    Checkpoint("llava-hf/llava-interleave-qwen-7b-hf", "fixed", 729, 32, 32, 128, "yes, appended"),
+    Checkpoint(
+        "llava-hf/llava-onevision-qwen2-0.5b-ov-hf", "onevision", 729, 24, 2, 64, "yes, 730 each"
+    ),
+    Checkpoint(
+        "llava-hf/llava-onevision-qwen2-7b-ov-hf", "onevision", 729, 28, 4, 128, "yes, 730 each"
+    ),
+]
+
+
+def image_tokens(checkpoint: Checkpoint, height: int, width: int) -> int:
+    """Count the image tokens the checkpoint's processor expands one image of this size to."""
+    if checkpoint.kind == "fixed":
+        return checkpoint.fixed_tokens
+    tokenizer = train_qwen_tokenizer()  # the counts do not depend on the tokenizer
+    if checkpoint.kind == "next":
+        processor = LlavaNextProcessor(
+            LlavaNextImageProcessorPil(image_grid_pinpoints=NEXT_GRIDS),
+            tokenizer,
+            patch_size=14,
+            vision_feature_select_strategy="default",
+            num_additional_image_tokens=1,
+        )
+        return processor._get_number_of_features(height, width, 336, 336) - 1  # CLS dropped
+    processor = LlavaOnevisionProcessor.__new__(LlavaOnevisionProcessor)  # no video processor
+    processor.image_processor = OnevisionImages(image_grid_pinpoints=ONEVISION_GRIDS)
+    processor.num_image_tokens = checkpoint.fixed_tokens
+    processor.vision_aspect_ratio = "anyres_max_9"
+    return processor._get_number_of_features(height, width, 384, 384)
+
+
+def table() -> str:
+    """Return the markdown table."""
+    sizes = " | ".join(f"tokens, {name}" for name in IMAGES)
+    lines = [
+        f"| checkpoint | {sizes} | KV per token | session after open, 1024x768 | added images |",
+        "|---|" + "---:|" * len(IMAGES) + "---:|---:|---|",
+    ]
+    for checkpoint in CHECKPOINTS:
+        counts = [image_tokens(checkpoint, h, w) for h, w in IMAGES.values()]
+        per_token = checkpoint.kv_bytes_per_token
+        opening = (image_tokens(checkpoint, 768, 1024) + 40) * per_token  # + ~40 template ids
+        cells = " | ".join(f"{n:,}" for n in counts)
+        lines.append(
+            f"| `{checkpoint.repo}` | {cells} | {per_token / 1024:,.0f} KiB | "
+            f"{opening / 2**20:,.0f} MiB | {checkpoint.several_images} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    text = table()
+    print(text)
+    out = Path(__file__).parent / "results" / "families.md"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(text)
+    print(f"saved {out}")
+
+
+if __name__ == "__main__":
+    main()
