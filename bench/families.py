@@ -45,9 +45,7 @@ CHECKPOINTS = [
     Checkpoint("llava-hf/llava-v1.6-mistral-7b-hf", "next", 576, 32, 8, 128),
     Checkpoint("llava-hf/llava-v1.6-vicuna-7b-hf", "next", 576, 32, 32, 128),
     Checkpoint("llava-hf/llava-v1.6-34b-hf", "next", 576, 60, 8, 128),
-    Checkpoint(
-        "llava-hf/llava-interleave-qwen-0.5b-hf", "fixed", 729, 24, 16, 64, "yes, appended"
-    ),
+    Checkpoint("llava-hf/llava-interleave-qwen-0.5b-hf", "fixed", 729, 24, 16, 64, "yes, appended"),
     Checkpoint("llava-hf/llava-interleave-qwen-7b-hf", "fixed", 729, 32, 32, 128, "yes, appended"),
     Checkpoint(
         "llava-hf/llava-onevision-qwen2-0.5b-ov-hf", "onevision", 729, 24, 2, 64, "yes, 730 each"
