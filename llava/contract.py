@@ -7,6 +7,7 @@ mypy where the TorchServe adapter builds it).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol, TypeVar
 
 from llava.protocol import GenerationParams
@@ -59,6 +60,7 @@ class Engine(Protocol[StateT, TurnT]):
         *,
         history: bool = True,
         image: Any = None,
+        conversation: Sequence[tuple[str, str]] | None = None,
     ) -> TurnT:
         """Prepare an answer (adding `image` to the conversation); refuse what the model cannot
         take with `InvalidRequest`."""

@@ -15,9 +15,12 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llava.errors import InvalidRequest, PayloadTooLarge
+
+if TYPE_CHECKING:
+    from llava.chat_completions import ChatCompletion
 
 # SageMaker's session headers (botocore's sagemaker-runtime model).
 SESSION_HEADER = "X-Amzn-SageMaker-Session-Id"
@@ -53,6 +56,7 @@ class GenerationParams:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    stop: tuple[str, ...] = ()  # the answer ends before the first of these strings
 
     @property
     def greedy(self) -> bool:
@@ -119,9 +123,17 @@ def header(headers: Mapping[str, Any], name: str) -> str | None:
     return None
 
 
-def parse_request(body: Any, headers: Mapping[str, Any], limits: Limits = Limits()) -> Request:
+def parse_request(
+    body: Any, headers: Mapping[str, Any], limits: Limits = Limits()
+) -> Request | ChatCompletion:
     """Validate one request body and its session header into a typed request."""
-    obj, sample_reply = _translate_dialects(_decode_body(body, headers, limits))
+    # Imported here: the chat-completions dialect builds on this module's types.
+    from llava.chat_completions import is_chat_completion, parse_chat_completion
+
+    decoded = _decode_body(body, headers, limits)
+    if is_chat_completion(decoded):
+        return parse_chat_completion(decoded, headers, limits)
+    obj, sample_reply = _translate_dialects(decoded)
     kind = obj.get("type")
     if kind is None:
         raise InvalidRequest(

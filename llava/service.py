@@ -16,18 +16,19 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol
+from typing import Any, Generic
 
+from llava.chat_completions import ChatCompletion, OpenAIReplies, chat_info, check_same_chat
 from llava.contract import Engine, StateT, TurnT
 from llava.errors import KitError
+from llava.images.background import BackgroundImages, ImageSource
 from llava.protocol import (
     CLOSED_SESSION_HEADER,
-    JSON_CONTENT_TYPE,
+    NEW_SESSION,
     NEW_SESSION_HEADER,
     SESSION_HEADER,
-    STREAM_CONTENT_TYPE,
     CloseSession,
     Generate,
     Limits,
@@ -36,8 +37,8 @@ from llava.protocol import (
     expires_header,
     iso_utc,
     parse_request,
-    stream_line,
 )
+from llava.replies import KitReplies, Replies, Reply, error_reply, internal_error
 from llava.sessions import LOST, Session, SessionStore, Slot
 
 log = logging.getLogger(__name__)
@@ -45,10 +46,6 @@ log = logging.getLogger(__name__)
 # How long a step with nothing else to do waits for an image download, so a batch of pending
 # opens does not spin the frontend in a tight loop.
 IDLE_WAIT_S = 0.02
-
-
-class ImageSource(Protocol):
-    def load(self, ref: str) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -60,29 +57,15 @@ class Incoming:
     headers: Mapping[str, Any]
 
 
-@dataclass
-class Reply:
-    """What to send for one request this step.
-
-    `last` is None for a whole (non-streamed) response, False for a stream chunk with more to
-    come, True for a stream's final chunk. Status and headers count only on the first reply.
-    """
-
-    body: bytes
-    status: int = 200
-    headers: dict[str, str] = field(default_factory=dict)
-    content_type: str = JSON_CONTENT_TYPE
-    last: bool | None = None
-
-
 @dataclass(eq=False)
 class _Fetching:
     """A request waiting for its image: an open, a one-shot generate or a query adding one."""
 
-    request: OpenSession | Generate | Query
+    request: OpenSession | Generate | Query | ChatCompletion
     image: Future
     slot: Slot | None = None  # an open's reserved session slot
     session: Session | None = None  # a query's session, held busy while its image arrives
+    replies: Replies | None = None  # how the answer is written, when not the session API's
 
 
 @dataclass(eq=False)
@@ -90,24 +73,10 @@ class _Answering(Generic[TurnT]):
     session: Session
     turn: TurnT
     stream: bool
+    replies: Replies
     transient: bool = False  # a one-shot generate: its state is dropped at the end
-    sample_reply: bool = False  # answer with the AWS sample's `response_text` too
     streaming: bool = False  # the HTTP head has gone out
-
-
-def error_reply(error: KitError) -> Reply:
-    """Render a kit error as a whole JSON response with its status."""
-    headers = {}
-    retry = getattr(error, "retry_after_s", None)
-    if retry is not None:
-        headers["Retry-After"] = str(retry)
-    return Reply(_json(error.to_body()), status=error.status, headers=headers)
-
-
-def internal_error(exc: BaseException) -> KitError:
-    """Log an unexpected exception and return the error the client may see (no traceback)."""
-    log.error("internal error: %s", exc, exc_info=exc)
-    return KitError("internal error while serving this request; see the worker log")
+    headers: dict[str, str] = field(default_factory=dict)  # sent with the first reply
 
 
 class SessionService(Generic[StateT, TurnT]):
@@ -126,12 +95,12 @@ class SessionService(Generic[StateT, TurnT]):
         self.store = store
         self.images = images
         self.limits = limits
-        self._fetcher = ThreadPoolExecutor(fetch_threads, thread_name_prefix="llava-image")
+        self._images = BackgroundImages(images, fetch_threads)
         self._work: dict[str, _Fetching | _Answering[TurnT]] = {}
 
     def close(self) -> None:
         """Stop the image fetch threads."""
-        self._fetcher.shutdown(wait=False, cancel_futures=True)
+        self._images.close()
 
     @property
     def in_flight(self) -> int:
@@ -168,13 +137,16 @@ class SessionService(Generic[StateT, TurnT]):
 
     def _admit(self, item: Incoming) -> Reply | None:
         request = parse_request(item.body, item.headers, self.limits)
+        if isinstance(request, ChatCompletion):
+            self._admit_chat(item.request_id, request)
+            return None
         if isinstance(request, Generate):
-            self._work[item.request_id] = _Fetching(request, self._fetch(request.image))
+            self._work[item.request_id] = _Fetching(request, self._images.submit(request.image))
             return None
         if isinstance(request, OpenSession):
             slot = self.store.reserve()
             try:
-                image = self._fetch(request.image)
+                image = self._images.submit(request.image)
             except BaseException:
                 self.store.cancel(slot)
                 raise
@@ -184,10 +156,10 @@ class SessionService(Generic[StateT, TurnT]):
             session = self.store.begin_turn(request.session_id)
             try:
                 if request.image is not None:
-                    image = self._fetch(request.image)
+                    image = self._images.submit(request.image)
                     self._work[item.request_id] = _Fetching(request, image, session=session)
                 else:
-                    self._start_query(item.request_id, request, session, None)
+                    self._start_query(item.request_id, request, session)
             except BaseException:
                 self.store.end_turn(session)
                 raise
@@ -199,22 +171,6 @@ class SessionService(Generic[StateT, TurnT]):
             headers={CLOSED_SESSION_HEADER: session.id},
         )
 
-    def _fetch(self, ref: str) -> Future:
-        """Load remote images in the background; decode inline ones now (their body is here)."""
-        if ref.startswith(("https://", "http://", "s3://")):
-            return self._fetcher.submit(self._load_image, ref)
-        done: Future = Future()
-        done.set_result(self._load_image(ref))
-        return done
-
-    def _load_image(self, ref: str) -> Any:
-        try:
-            return self.images.load(ref)
-        except KitError as exc:  # every image problem names the field it came from
-            if exc.field is None:
-                exc.field = "image"
-            raise
-
     def _wait_if_idle(self, replies: dict[str, Reply]) -> None:
         if replies or any(isinstance(w, _Answering) for w in self._work.values()):
             return
@@ -222,12 +178,61 @@ class SessionService(Generic[StateT, TurnT]):
         if pending:
             wait(pending, timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
 
-    def _start_query(self, request_id: str, request: Query, session: Session, image: Any) -> None:
-        turn = self.engine.start_turn(
-            session.state, request.prompt, request.params, history=request.history, image=image
-        )
+    def _admit_chat(self, request_id: str, request: ChatCompletion) -> None:
+        """Admit an OpenAI chat completion: one-shot, opening a session, or continuing one."""
+        replies = OpenAIReplies(request.model, request.include_usage)
+        if request.session is None:  # no session: a one-shot answer
+            generate = Generate(
+                image=request.image,
+                prompt=request.prompt,
+                system_prompt=request.system_prompt,
+                history=request.history,
+                params=request.params,
+                stream=request.stream,
+            )
+            self._work[request_id] = _Fetching(
+                generate, self._images.submit(request.image), replies=replies
+            )
+            return
+        if request.session == NEW_SESSION:
+            slot = self.store.reserve()
+            try:
+                image = self._images.submit(request.image)
+            except BaseException:
+                self.store.cancel(slot)
+                raise
+            self._work[request_id] = _Fetching(request, image, slot, replies=replies)
+            return
+        session = self.store.begin_turn(request.session)
+        try:
+            check_same_chat(session.info, request)
+            self._start_query(request_id, request, session, replies=replies)
+        except BaseException:
+            self.store.end_turn(session)
+            raise
+
+    def _start_query(
+        self,
+        request_id: str,
+        request: Query | ChatCompletion,
+        session: Session,
+        image: Any = None,
+        *,
+        replies: Replies | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        if isinstance(request, ChatCompletion):
+            turn = self.engine.start_turn(
+                session.state, request.prompt, request.params, conversation=request.history
+            )
+        else:
+            turn = self.engine.start_turn(
+                session.state, request.prompt, request.params, history=request.history, image=image
+            )
+            replies = KitReplies(session.id, sample_reply=request.sample_reply)
+        assert replies is not None
         self._work[request_id] = _Answering(
-            session, turn, request.stream, sample_reply=request.sample_reply
+            session, turn, request.stream, replies, headers=headers or {}
         )
 
     # -- opening ---------------------------------------------------------------------------
@@ -236,6 +241,8 @@ class SessionService(Generic[StateT, TurnT]):
         request = work.request
         if isinstance(request, Generate):
             return self._guard(lambda _: self._start_generate(request_id, work), None)
+        if isinstance(request, ChatCompletion):
+            return self._open_chat(request_id, request, work)
         if isinstance(request, Query):
             assert work.session is not None  # a query always holds its session
             session = work.session
@@ -245,11 +252,23 @@ class SessionService(Generic[StateT, TurnT]):
                 self.store.end_turn(session)
                 return error_reply(exc if isinstance(exc, KitError) else internal_error(exc))
             return None
+        opened = self._open(work, request)
+        if isinstance(opened, Reply):
+            return opened
+        expires = self.store.expires_at(opened)
+        return Reply(
+            _json({"session_id": opened.id, "expires_at": iso_utc(expires)}),
+            headers=self._new_session_headers(opened),
+        )
+
+    def _open(self, work: _Fetching, request: OpenSession | ChatCompletion) -> Session | Reply:
+        """Open the session an open (or a chat completion's NEW_SESSION) asked for."""
         assert work.slot is not None  # an open always holds a slot
         state: StateT | None = None
         try:
             state = self.engine.open_session(work.image.result(), request.system_prompt)
-            session = self.store.add(work.slot, state, state.nbytes)
+            info = chat_info(request.image, request.system_prompt)
+            return self.store.add(work.slot, state, state.nbytes, **info)
         except BaseException as exc:
             self.store.cancel(work.slot)
             if state is not None:  # opened but never stored: free it, or its memory leaks
@@ -259,12 +278,24 @@ class SessionService(Generic[StateT, TurnT]):
                     internal_error(release_exc)
             return error_reply(exc if isinstance(exc, KitError) else internal_error(exc))
 
-        expires = self.store.expires_at(session)
-        value = expires_header(session.id, expires)
-        return Reply(
-            _json({"session_id": session.id, "expires_at": iso_utc(expires)}),
-            headers={NEW_SESSION_HEADER: value, SESSION_HEADER: value},
-        )
+    def _new_session_headers(self, session: Session) -> dict[str, str]:
+        value = expires_header(session.id, self.store.expires_at(session))
+        return {NEW_SESSION_HEADER: value, SESSION_HEADER: value}
+
+    def _open_chat(self, request_id: str, request: ChatCompletion, work: _Fetching) -> Reply | None:
+        """Open a session for a chat completion sent with NEW_SESSION, then answer it."""
+        opened = self._open(work, request)
+        if isinstance(opened, Reply):
+            return opened
+        session = self.store.begin_turn(opened.id)
+        headers = self._new_session_headers(opened)
+        try:
+            self._start_query(request_id, request, session, replies=work.replies, headers=headers)
+        except BaseException as exc:  # the client never learns the id: close the session
+            self.store.end_turn(session)
+            self.store.close(session.id)
+            return error_reply(exc if isinstance(exc, KitError) else internal_error(exc))
+        return None
 
     def _start_generate(self, request_id: str, work: _Fetching) -> None:
         """Turn a one-shot generate whose image arrived into an answer with a transient state."""
@@ -278,7 +309,8 @@ class SessionService(Generic[StateT, TurnT]):
             self.engine.release(state)
             raise
         session = Session("", state, 0, 0.0, busy=True)
-        self._work[request_id] = _Answering(session, turn, request.stream, transient=True)
+        replies = work.replies or KitReplies(None)
+        self._work[request_id] = _Answering(session, turn, request.stream, replies, transient=True)
 
     # -- answering -------------------------------------------------------------------------
     def _advance_answers(self) -> dict[str, Reply]:
@@ -311,14 +343,16 @@ class SessionService(Generic[StateT, TurnT]):
             return None  # nothing new to send: stay in the batch silently
         # The first token always goes out at once (its text may still be held back, half a
         # character), so a client's time to first token is the model's.
-        return self._stream_reply(work, stream_line({"text": work.turn.delta}), last=False)
+        return self._stream_reply(work, work.replies.chunk(work.turn.delta), last=False)
 
     def _stream_reply(self, work: _Answering, body: bytes, *, last: bool) -> Reply:
         first = not work.streaming
         work.streaming = True
+        kind = work.replies.stream_content_type
+        headers = work.headers if first else {}
         if first and last:  # a stream that is over at its first step is just a whole response
-            return Reply(body, content_type=STREAM_CONTENT_TYPE, last=None)
-        return Reply(body, content_type=STREAM_CONTENT_TYPE, last=last)
+            return Reply(body, headers=headers, content_type=kind, last=None)
+        return Reply(body, headers=headers, content_type=kind, last=last)
 
     def _finish_answer(self, request_id: str, work: _Answering) -> Reply:
         del self._work[request_id]
@@ -329,17 +363,9 @@ class SessionService(Generic[StateT, TurnT]):
             self._end_turn(work)
         usage = turn.usage()
         if work.stream:
-            chunk = b""
-            if turn.delta:
-                chunk += stream_line({"text": turn.delta})
-            chunk += stream_line({"usage": usage, "finish_reason": turn.finish_reason})
-            return self._stream_reply(work, chunk, last=True)
-        body: dict[str, Any] = {"text": turn.text, "usage": usage}
-        if work.sample_reply:
-            body["response_text"] = turn.text
-        if not work.transient:
-            body = {"session_id": work.session.id, **body}
-        return Reply(_json(body))
+            body = work.replies.last(turn.delta, usage, turn.finish_reason)
+            return self._stream_reply(work, body, last=True)
+        return Reply(work.replies.whole(turn.text, usage, turn.finish_reason), headers=work.headers)
 
     def _end_turn(self, work: _Answering) -> None:
         if work.transient:
@@ -354,7 +380,8 @@ class SessionService(Generic[StateT, TurnT]):
     @staticmethod
     def _error_for(work: _Answering, error: KitError) -> Reply:
         if work.streaming:  # the head is gone: report in-band and end the stream
-            return Reply(stream_line(error.to_body()), content_type=STREAM_CONTENT_TYPE, last=True)
+            kind = work.replies.stream_content_type
+            return Reply(work.replies.error(error.to_body()), content_type=kind, last=True)
         return error_reply(error)
 
     def _drop_answer(self, request_id: str, work: _Answering) -> None:

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from llava.config import ServerConfig
-from llava.service import Incoming, Reply, SessionService, error_reply, internal_error
+from llava.replies import Reply, error_reply, internal_error
+from llava.service import Incoming, SessionService
 
 log = logging.getLogger(__name__)
 

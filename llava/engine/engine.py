@@ -21,6 +21,7 @@ processed image, and every question re-runs the vision tower and prefills the wh
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ from llava.engine.cache import assign, crop_to, move_cache, new_cache
 from llava.engine.chat import ChatFormatter, Exchange, common_prefix
 from llava.engine.imageset import ImageEncoder, ImageSet
 from llava.engine.loading import HOST, load_model, load_processor, resolve_devices
-from llava.engine.sampling import Detokenizer, make_generator, next_token
+from llava.engine.sampling import Detokenizer, make_generator, next_token, visible_text
 from llava.engine.selfcheck import self_check
 from llava.engine.state import Replica, SessionState, Tier, Turn
 from llava.engine.vision import embed, image_token_id
@@ -166,21 +167,28 @@ class LlavaEngine:
         *,
         history: bool = True,
         image: Any = None,
+        conversation: Sequence[tuple[str, str]] | None = None,
     ) -> Turn:
         """Tokenize the whole conversation and find what the cache already holds of it.
 
         `image` adds a picture to the conversation with this question (multi-image families).
+        `conversation` replaces the session's earlier turns with the client's (a client that
+        re-sends the whole chat): the cache is kept for as long as they agree.
         """
         self._refuse_placeholder(prompt, "prompt")
+        for question, _ in conversation or []:
+            self._refuse_placeholder(question, "messages")
         prompt_tokens = self.chat.count_tokens(prompt)
         if prompt_tokens > self.config.max_prompt_tokens:
             raise InvalidRequest(
                 f"prompt is {prompt_tokens} tokens, the limit is {self.config.max_prompt_tokens}",
                 field="prompt",
             )
-        images, reencoded = self._turn_images(state, image, history)
+        images, reencoded = self._turn_images(state, image, history and conversation is None)
         added = 0 if image is None else 1
         past = state.history if history else []
+        if conversation is not None:
+            past = [Exchange(question, answer) for question, answer in conversation]
         text = self.chat.render(self.chat.messages(state.system_prompt, past, prompt, added))
         ids = self.chat.tokenize(text, images.tokens)
         room = self.max_context - len(ids)
@@ -210,6 +218,7 @@ class LlavaEngine:
             branch=not history,
             images=images,
             added_images=added,
+            past=list(past),
             cache=cache,
             start_len=common,
             ids=ids,
@@ -336,20 +345,29 @@ class LlavaEngine:
 
     def _accept(self, turn: Turn, token: int) -> None:
         """Record one sampled token: end the answer, or emit its text and feed it next."""
+        turn.delta = ""
         if token in self.eos_ids:
-            turn.delta = ""
             self._finish(turn, "stop")
             return
         turn.generated.append(token)
-        turn.delta = turn.detokenizer.add(token)
+        turn.detokenizer.add(token)
         turn.pending = [token]
-        turn.text += turn.delta
-        if len(turn.generated) >= turn.max_new_tokens:
+        if self._show(turn, final=False):
+            self._finish(turn, "stop")
+        elif len(turn.generated) >= turn.max_new_tokens:
             self._finish(turn, "length")
 
+    def _show(self, turn: Turn, *, final: bool) -> bool:
+        """Extend the answer's shown text; return True if it reached a stop string."""
+        shown, stopped = visible_text(turn.detokenizer.text, turn.params.stop, final=final)
+        turn.delta += shown[len(turn.text) :]
+        turn.text = shown
+        return stopped
+
     def _finish(self, turn: Turn, reason: str) -> None:
-        turn.delta += turn.detokenizer.flush()
-        turn.text = turn.detokenizer.text  # the one-shot decode of the whole answer
+        turn.detokenizer.flush()
+        if self._show(turn, final=True):  # the text held back at the end completed a stop
+            reason = "stop"
         turn.done, turn.finish_reason = True, reason
         turn.finished_at = time.perf_counter()
 
@@ -374,7 +392,7 @@ class LlavaEngine:
         if self.keeps_kv:
             state.cache_ids = turn.fed
         state.images = turn.images
-        state.history.append(Exchange(turn.prompt, turn.text, turn.added_images))
+        state.history = [*turn.past, Exchange(turn.prompt, turn.text, turn.added_images)]
 
     @torch.inference_mode()
     def abort_turn(self, turn: Turn) -> None:

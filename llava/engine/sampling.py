@@ -78,3 +78,20 @@ class Detokenizer:
 
 
 _BYTE_TOKEN = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
+
+
+def visible_text(text: str, stops: tuple[str, ...], *, final: bool) -> tuple[str, bool]:
+    """Return the part of an answer that may be shown, and whether a stop string ended it.
+
+    The answer is cut before the first stop string; until the answer ends, a tail that could
+    still grow into one is held back, so no streamed text is ever taken back.
+    """
+    cuts = [at for stop in stops if (at := text.find(stop)) >= 0]
+    if cuts:
+        return text[: min(cuts)], True
+    if final or not stops:
+        return text, False
+    hold = max(
+        (n for stop in stops for n in range(1, len(stop)) if text.endswith(stop[:n])), default=0
+    )
+    return text[: len(text) - hold], False

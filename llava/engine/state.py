@@ -98,6 +98,7 @@ class Turn:
     branch: bool  # history=False: answer from the image alone, leave the main line untouched
     images: ImageSet  # the images of this turn's conversation (the session's, plus an added one)
     added_images: int  # images sent with this question
+    past: list[Exchange]  # the earlier turns this answer follows (committed with it)
     cache: DynamicCache
     start_len: int  # cache length before this turn, to roll back on failure
     ids: list[int]

@@ -15,6 +15,11 @@ def _scheme_of(ref: str) -> str | None:
     return match.group(1).lower() if match else None
 
 
+def is_inline(ref: str) -> bool:
+    """Tell whether a reference carries its image (data URI, base64) rather than naming one."""
+    return not isinstance(ref, str) or _scheme_of(ref.strip()) in (None, "data")
+
+
 def _clean(text: str, limit: int) -> str:
     """Keep only characters that are safe in a log line, and at most `limit` of them."""
     return re.sub(r"[^A-Za-z0-9.\-_:\[\]+/]", "", text[: limit * 4])[:limit]

@@ -18,7 +18,8 @@ from llava.protocol import (
     STREAM_CONTENT_TYPE,
     GenerationParams,
 )
-from llava.service import Reply, SessionService
+from llava.replies import Reply
+from llava.service import SessionService
 from llava.sessions import SessionStore
 from llava.torchserve import SessionHandler
 

@@ -21,7 +21,8 @@ from llava.protocol import (
     GenerationParams,
     iso_utc,
 )
-from llava.service import Incoming, Reply, SessionService
+from llava.replies import Reply
+from llava.service import Incoming, SessionService
 from llava.sessions import SessionStore
 
 TTL = 60.0
