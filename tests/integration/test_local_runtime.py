@@ -340,3 +340,38 @@ def test_aws_request_type_bodies_open_and_close(smr):
     assert invoke(smr, {"type": "query", "prompt": "Hi?", "max_new_tokens": 3}, sid)["json"]["text"]
     closed = invoke(smr, {"requestType": "CLOSE"}, sid)
     assert closed["ClosedSessionId"] == sid and closed["json"]["closed"] is True
+
+
+def test_chat_completions_with_sticky_sessions_over_boto3(smr, runtime, reference):
+    """An OpenAI-style chat re-sent whole each turn, with SageMaker's session ids."""
+    image = make_image(120)
+    url = data_uri(image)
+    prompts = ["What is this?", "Describe the colors.", "Is it big?"]
+    past: list[tuple[str, str]] = []
+    sid, cached = "NEW_SESSION", []
+    for prompt in prompts:
+        msgs: list[dict[str, Any]] = [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": url}},
+                    {"type": "text", "text": past[0][0] if past else prompt},
+                ],
+            }
+        ]
+        for i, (question, answer) in enumerate(past):
+            msgs.append({"role": "assistant", "content": answer})
+            msgs.append(
+                {"role": "user", "content": past[i + 1][0] if i + 1 < len(past) else prompt}
+            )
+        out = invoke(
+            smr, {"model": "llava", "messages": msgs, "max_tokens": 8, "temperature": 0}, sid
+        )
+        if sid == "NEW_SESSION":
+            sid = out["NewSessionId"].split(";")[0]
+        completion = out["json"]
+        assert completion["object"] == "chat.completion"
+        cached.append(completion["usage"]["prompt_tokens_details"]["cached_tokens"])
+        past.append((prompt, completion["choices"][0]["message"]["content"]))
+    assert [a for _, a in past] == reference.answers(image, prompts, 8)
+    assert cached[0] < cached[1] < cached[2]
