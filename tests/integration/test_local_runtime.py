@@ -350,20 +350,13 @@ def test_chat_completions_with_sticky_sessions_over_boto3(smr, runtime, referenc
     past: list[tuple[str, str]] = []
     sid, cached = "NEW_SESSION", []
     for prompt in prompts:
-        msgs: list[dict[str, Any]] = [
-            {
-                "role": "user",
-                "content": [
-                    {"type": "image_url", "image_url": {"url": url}},
-                    {"type": "text", "text": past[0][0] if past else prompt},
-                ],
-            }
-        ]
-        for i, (question, answer) in enumerate(past):
-            msgs.append({"role": "assistant", "content": answer})
-            msgs.append(
-                {"role": "user", "content": past[i + 1][0] if i + 1 < len(past) else prompt}
-            )
+        msgs: list[dict[str, Any]] = []
+        for i, (question, answer) in enumerate([*past, (prompt, None)]):
+            image_part = {"type": "image_url", "image_url": {"url": url}}
+            content: Any = [image_part, {"type": "text", "text": question}] if i == 0 else question
+            msgs.append({"role": "user", "content": content})
+            if answer is not None:
+                msgs.append({"role": "assistant", "content": answer})
         out = invoke(
             smr, {"model": "llava", "messages": msgs, "max_tokens": 8, "temperature": 0}, sid
         )
