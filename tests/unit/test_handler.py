@@ -99,6 +99,7 @@ class FakeEngine:
         *,
         history: bool = True,
         image: Any = None,
+        conversation: Any = None,
     ) -> FakeTurn:
         return FakeTurn(prompt.split())
 

@@ -115,6 +115,7 @@ class FakeEngine:
         *,
         history: bool = True,
         image: Any = None,
+        conversation: Any = None,
     ) -> FakeTurn:
         self.calls.append(
             ("start_turn", prompt) if image is None else ("start_turn", (prompt, image))

@@ -1,0 +1,120 @@
+"""OpenAI chat-completions bodies: what is accepted, what is refused by name, how replies look."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from llava.chat_completions import ChatCompletion, OpenAIReplies, chat_info, check_same_chat
+from llava.engine.sampling import visible_text
+from llava.errors import InvalidRequest
+from llava.protocol import NEW_SESSION, SESSION_HEADER, parse_request
+
+IMAGE = "https://example.com/cat.png"
+FIRST = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": IMAGE}},
+                                     {"type": "text", "text": "What is this?"}]}  # fmt: skip
+
+
+def chat(*messages: Any, **fields: Any) -> dict[str, Any]:
+    return {"model": "llava", "messages": list(messages or [FIRST]), **fields}
+
+
+def parsed(body: dict[str, Any], headers: dict[str, str] | None = None) -> ChatCompletion:
+    request = parse_request(json.dumps(body).encode(), headers or {})
+    assert isinstance(request, ChatCompletion)
+    return request
+
+
+def refused(body: dict[str, Any]) -> InvalidRequest:
+    with pytest.raises(InvalidRequest) as info:
+        parse_request(json.dumps(body).encode(), {})
+    return info.value
+
+
+def test_a_multi_turn_chat_becomes_history_and_a_question() -> None:
+    request = parsed(
+        chat(
+            {"role": "system", "content": "Be brief."},
+            FIRST,
+            {"role": "assistant", "content": [{"type": "text", "text": "A cat."}]},
+            {"role": "user", "content": "What color?"},
+            max_tokens=9,
+            stop="\n",
+        )
+    )
+    assert request.image == IMAGE and request.system_prompt == "Be brief."
+    assert request.history == (("What is this?", "A cat."),)
+    assert request.prompt == "What color?"
+    assert request.params.max_new_tokens == 9 and request.params.stop == ("\n",)
+    assert request.params.temperature == 1.0  # OpenAI's default, not the session API's
+    assert request.session is None
+
+
+def test_the_session_header_decides_one_shot_new_or_continued() -> None:
+    assert parsed(chat(), {SESSION_HEADER: NEW_SESSION}).session == NEW_SESSION
+    assert parsed(chat(), {SESSION_HEADER: "abc-1"}).session == "abc-1"
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        (chat(n=3), "n"),
+        (chat(tools=[{"type": "function"}]), "tools"),
+        (chat(response_format={"type": "json_object"}), "response_format"),
+        (chat(frobnicate=1), "frobnicate"),
+        (chat(max_tokens=0), "max_tokens"),
+        (chat(temperature=3), "temperature"),
+        (chat(stop=[""]), "stop"),
+        (chat(stream_options={"include_usage": "yes"}), "stream_options"),
+        (chat({"role": "user", "content": "No image"}), "messages[0]"),
+        (chat(FIRST, FIRST), "messages[1]"),
+        (chat(FIRST, {"role": "assistant", "content": "a"}), "messages"),
+        (
+            chat({"role": "user", "content": [{"type": "image_url", "image_url": {"url": IMAGE}}]}),
+            "messages[0]",
+        ),  # fmt: skip
+        ({"model": "llava", "messages": []}, "messages"),
+    ],
+)
+def test_refusals_name_the_field(body: dict[str, Any], field: str) -> None:
+    assert refused(body).field == field
+
+
+def test_a_session_only_continues_its_own_chat() -> None:
+    request = parsed(chat())
+    check_same_chat(chat_info(IMAGE, None), request)
+    with pytest.raises(InvalidRequest, match="another image"):
+        check_same_chat(chat_info("https://example.com/dog.png", None), request)
+    with pytest.raises(InvalidRequest, match="system message"):
+        check_same_chat(chat_info(IMAGE, "Be brief."), request)
+
+
+def test_stream_events_end_with_done_and_usage_when_asked() -> None:
+    replies = OpenAIReplies("llava", include_usage=True)
+    usage = {"cached_tokens": 5, "prefill_tokens": 3, "generated_tokens": 2}
+    events = (replies.chunk("A") + replies.last(" cat", usage, "stop")).decode().split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": "A"}
+    assert chunks[1]["choices"][0]["delta"] == {"content": " cat"}
+    assert chunks[2]["choices"][0]["finish_reason"] == "stop"
+    assert chunks[3]["usage"]["prompt_tokens"] == 8 and chunks[3]["choices"] == []
+    assert chunks[3]["usage"]["prompt_tokens_details"] == {"cached_tokens": 5}
+
+
+@pytest.mark.parametrize(
+    ("text", "final", "shown", "stopped"),
+    [
+        ("Hello wox", False, "Hello wox", False),
+        ("Hello wo", False, "Hello ", False),  # "wo" may grow into "world"
+        ("Hello wo", True, "Hello wo", False),
+        ("Hello world!", False, "Hello ", True),
+        ("Hi. END", False, "Hi", True),
+    ],
+)
+def test_stop_strings_cut_the_answer_and_hold_back_a_possible_start(
+    text: str, final: bool, shown: str, stopped: bool
+) -> None:
+    assert visible_text(text, ("world", ". END"), final=final) == (shown, stopped)
