@@ -16,14 +16,15 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping
-from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass, field
+from concurrent.futures import FIRST_COMPLETED, wait
+from dataclasses import dataclass
 from typing import Any, Generic
 
 from llava.chat_completions import ChatCompletion, OpenAIReplies, chat_info, check_same_chat
 from llava.contract import Engine, StateT, TurnT
 from llava.errors import KitError
 from llava.images.background import BackgroundImages, ImageSource
+from llava.inflight import Answering, Fetching
 from llava.protocol import (
     CLOSED_SESSION_HEADER,
     NEW_SESSION,
@@ -39,7 +40,7 @@ from llava.protocol import (
     parse_request,
 )
 from llava.replies import KitReplies, Replies, Reply, error_reply, internal_error
-from llava.sessions import LOST, Session, SessionStore, Slot
+from llava.sessions import LOST, Session, SessionStore
 
 log = logging.getLogger(__name__)
 
@@ -55,28 +56,6 @@ class Incoming:
     request_id: str
     body: Any
     headers: Mapping[str, Any]
-
-
-@dataclass(eq=False)
-class _Fetching:
-    """A request waiting for its image: an open, a one-shot generate or a query adding one."""
-
-    request: OpenSession | Generate | Query | ChatCompletion
-    image: Future
-    slot: Slot | None = None  # an open's reserved session slot
-    session: Session | None = None  # a query's session, held busy while its image arrives
-    replies: Replies | None = None  # how the answer is written, when not the session API's
-
-
-@dataclass(eq=False)
-class _Answering(Generic[TurnT]):
-    session: Session
-    turn: TurnT
-    stream: bool
-    replies: Replies
-    transient: bool = False  # a one-shot generate: its state is dropped at the end
-    streaming: bool = False  # the HTTP head has gone out
-    headers: dict[str, str] = field(default_factory=dict)  # sent with the first reply
 
 
 class SessionService(Generic[StateT, TurnT]):
@@ -96,7 +75,7 @@ class SessionService(Generic[StateT, TurnT]):
         self.images = images
         self.limits = limits
         self._images = BackgroundImages(images, fetch_threads)
-        self._work: dict[str, _Fetching | _Answering[TurnT]] = {}
+        self._work: dict[str, Fetching | Answering[TurnT]] = {}
 
     def close(self) -> None:
         """Stop the image fetch threads."""
@@ -119,7 +98,7 @@ class SessionService(Generic[StateT, TurnT]):
                     replies[item.request_id] = reply
         self._wait_if_idle(replies)
         for request_id, work in list(self._work.items()):
-            if isinstance(work, _Fetching) and work.image.done():
+            if isinstance(work, Fetching) and work.image.done():
                 reply = self._image_arrived(request_id, work)
                 if reply is not None:
                     replies[request_id] = reply
@@ -141,7 +120,7 @@ class SessionService(Generic[StateT, TurnT]):
             self._admit_chat(item.request_id, request)
             return None
         if isinstance(request, Generate):
-            self._work[item.request_id] = _Fetching(request, self._images.submit(request.image))
+            self._work[item.request_id] = Fetching(request, self._images.submit(request.image))
             return None
         if isinstance(request, OpenSession):
             slot = self.store.reserve()
@@ -150,14 +129,14 @@ class SessionService(Generic[StateT, TurnT]):
             except BaseException:
                 self.store.cancel(slot)
                 raise
-            self._work[item.request_id] = _Fetching(request, image, slot)
+            self._work[item.request_id] = Fetching(request, image, slot)
             return None
         if isinstance(request, Query):
             session = self.store.begin_turn(request.session_id)
             try:
                 if request.image is not None:
                     image = self._images.submit(request.image)
-                    self._work[item.request_id] = _Fetching(request, image, session=session)
+                    self._work[item.request_id] = Fetching(request, image, session=session)
                 else:
                     self._start_query(item.request_id, request, session)
             except BaseException:
@@ -172,9 +151,9 @@ class SessionService(Generic[StateT, TurnT]):
         )
 
     def _wait_if_idle(self, replies: dict[str, Reply]) -> None:
-        if replies or any(isinstance(w, _Answering) for w in self._work.values()):
+        if replies or any(isinstance(w, Answering) for w in self._work.values()):
             return
-        pending = [w.image for w in self._work.values() if isinstance(w, _Fetching)]
+        pending = [w.image for w in self._work.values() if isinstance(w, Fetching)]
         if pending:
             wait(pending, timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
 
@@ -190,7 +169,7 @@ class SessionService(Generic[StateT, TurnT]):
                 params=request.params,
                 stream=request.stream,
             )
-            self._work[request_id] = _Fetching(
+            self._work[request_id] = Fetching(
                 generate, self._images.submit(request.image), replies=replies
             )
             return
@@ -201,7 +180,7 @@ class SessionService(Generic[StateT, TurnT]):
             except BaseException:
                 self.store.cancel(slot)
                 raise
-            self._work[request_id] = _Fetching(request, image, slot, replies=replies)
+            self._work[request_id] = Fetching(request, image, slot, replies=replies)
             return
         session = self.store.begin_turn(request.session)
         try:
@@ -231,12 +210,12 @@ class SessionService(Generic[StateT, TurnT]):
             )
             replies = KitReplies(session.id, sample_reply=request.sample_reply)
         assert replies is not None
-        self._work[request_id] = _Answering(
+        self._work[request_id] = Answering(
             session, turn, request.stream, replies, headers=headers or {}
         )
 
     # -- opening ---------------------------------------------------------------------------
-    def _image_arrived(self, request_id: str, work: _Fetching) -> Reply | None:
+    def _image_arrived(self, request_id: str, work: Fetching) -> Reply | None:
         del self._work[request_id]
         request = work.request
         if isinstance(request, Generate):
@@ -261,7 +240,7 @@ class SessionService(Generic[StateT, TurnT]):
             headers=self._new_session_headers(opened),
         )
 
-    def _open(self, work: _Fetching, request: OpenSession | ChatCompletion) -> Session | Reply:
+    def _open(self, work: Fetching, request: OpenSession | ChatCompletion) -> Session | Reply:
         """Open the session an open (or a chat completion's NEW_SESSION) asked for."""
         assert work.slot is not None  # an open always holds a slot
         state: StateT | None = None
@@ -282,7 +261,7 @@ class SessionService(Generic[StateT, TurnT]):
         value = expires_header(session.id, self.store.expires_at(session))
         return {NEW_SESSION_HEADER: value, SESSION_HEADER: value}
 
-    def _open_chat(self, request_id: str, request: ChatCompletion, work: _Fetching) -> Reply | None:
+    def _open_chat(self, request_id: str, request: ChatCompletion, work: Fetching) -> Reply | None:
         """Open a session for a chat completion sent with NEW_SESSION, then answer it."""
         opened = self._open(work, request)
         if isinstance(opened, Reply):
@@ -297,7 +276,7 @@ class SessionService(Generic[StateT, TurnT]):
             return error_reply(exc if isinstance(exc, KitError) else internal_error(exc))
         return None
 
-    def _start_generate(self, request_id: str, work: _Fetching) -> None:
+    def _start_generate(self, request_id: str, work: Fetching) -> None:
         """Turn a one-shot generate whose image arrived into an answer with a transient state."""
         request = work.request
         assert isinstance(request, Generate)
@@ -310,11 +289,11 @@ class SessionService(Generic[StateT, TurnT]):
             raise
         session = Session("", state, 0, 0.0, busy=True)
         replies = work.replies or KitReplies(None)
-        self._work[request_id] = _Answering(session, turn, request.stream, replies, transient=True)
+        self._work[request_id] = Answering(session, turn, request.stream, replies, transient=True)
 
     # -- answering -------------------------------------------------------------------------
     def _advance_answers(self) -> dict[str, Reply]:
-        running = [(r, w) for r, w in self._work.items() if isinstance(w, _Answering)]
+        running = [(r, w) for r, w in self._work.items() if isinstance(w, Answering)]
         if not running:
             return {}
         try:
@@ -338,14 +317,14 @@ class SessionService(Generic[StateT, TurnT]):
                 replies[request_id] = reply
         return replies
 
-    def _chunk(self, work: _Answering) -> Reply | None:
+    def _chunk(self, work: Answering) -> Reply | None:
         if not work.stream or (work.streaming and not work.turn.delta):
             return None  # nothing new to send: stay in the batch silently
         # The first token always goes out at once (its text may still be held back, half a
         # character), so a client's time to first token is the model's.
         return self._stream_reply(work, work.replies.chunk(work.turn.delta), last=False)
 
-    def _stream_reply(self, work: _Answering, body: bytes, *, last: bool) -> Reply:
+    def _stream_reply(self, work: Answering, body: bytes, *, last: bool) -> Reply:
         first = not work.streaming
         work.streaming = True
         kind = work.replies.stream_content_type
@@ -354,7 +333,7 @@ class SessionService(Generic[StateT, TurnT]):
             return Reply(body, headers=headers, content_type=kind, last=None)
         return Reply(body, headers=headers, content_type=kind, last=last)
 
-    def _finish_answer(self, request_id: str, work: _Answering) -> Reply:
+    def _finish_answer(self, request_id: str, work: Answering) -> Reply:
         del self._work[request_id]
         turn = work.turn
         try:
@@ -367,24 +346,24 @@ class SessionService(Generic[StateT, TurnT]):
             return self._stream_reply(work, body, last=True)
         return Reply(work.replies.whole(turn.text, usage, turn.finish_reason), headers=work.headers)
 
-    def _end_turn(self, work: _Answering) -> None:
+    def _end_turn(self, work: Answering) -> None:
         if work.transient:
             self.engine.release(work.session.state)
         else:
             self.store.end_turn(work.session, self._nbytes(work.session))
 
-    def _fail_answer(self, request_id: str, work: _Answering, exc: BaseException) -> Reply:
+    def _fail_answer(self, request_id: str, work: Answering, exc: BaseException) -> Reply:
         self._drop_answer(request_id, work)
         return self._error_for(work, exc if isinstance(exc, KitError) else internal_error(exc))
 
     @staticmethod
-    def _error_for(work: _Answering, error: KitError) -> Reply:
+    def _error_for(work: Answering, error: KitError) -> Reply:
         if work.streaming:  # the head is gone: report in-band and end the stream
             kind = work.replies.stream_content_type
             return Reply(work.replies.error(error.to_body()), content_type=kind, last=True)
         return error_reply(error)
 
-    def _drop_answer(self, request_id: str, work: _Answering) -> None:
+    def _drop_answer(self, request_id: str, work: Answering) -> None:
         del self._work[request_id]
         try:
             self.engine.abort_turn(work.turn)
@@ -400,9 +379,9 @@ class SessionService(Generic[StateT, TurnT]):
         work = self._work.get(request_id)
         log.info("request %s left the batch (client gone); dropping its work", request_id)
         try:
-            if isinstance(work, _Answering):
+            if isinstance(work, Answering):
                 self._drop_answer(request_id, work)
-            elif isinstance(work, _Fetching):
+            elif isinstance(work, Fetching):
                 del self._work[request_id]
                 work.image.cancel()
                 if work.slot is not None:
