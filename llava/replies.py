@@ -49,6 +49,11 @@ def internal_error(exc: BaseException) -> KitError:
     return KitError("internal error while serving this request; see the worker log")
 
 
+def as_kit_error(exc: BaseException) -> KitError:
+    """Return a kit error as it is; log any other exception and hide it behind a 500."""
+    return exc if isinstance(exc, KitError) else internal_error(exc)
+
+
 class Replies(Protocol):
     """Render one answer: streamed deltas, its end, the whole of it, or an in-stream error."""
 

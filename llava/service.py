@@ -39,7 +39,14 @@ from llava.protocol import (
     iso_utc,
     parse_request,
 )
-from llava.replies import KitReplies, Replies, Reply, error_reply, internal_error
+from llava.replies import (
+    KitReplies,
+    Replies,
+    Reply,
+    as_kit_error,
+    error_reply,
+    internal_error,
+)
 from llava.sessions import LOST, Session, SessionStore
 
 log = logging.getLogger(__name__)
@@ -123,13 +130,7 @@ class SessionService(Generic[StateT, TurnT]):
             self._work[item.request_id] = Fetching(request, self._images.submit(request.image))
             return None
         if isinstance(request, OpenSession):
-            slot = self.store.reserve()
-            try:
-                image = self._images.submit(request.image)
-            except BaseException:
-                self.store.cancel(slot)
-                raise
-            self._work[item.request_id] = Fetching(request, image, slot)
+            self._reserve_and_fetch(item.request_id, request, None)
             return None
         if isinstance(request, Query):
             session = self.store.begin_turn(request.session_id)
@@ -174,13 +175,7 @@ class SessionService(Generic[StateT, TurnT]):
             )
             return
         if request.session == NEW_SESSION:
-            slot = self.store.reserve()
-            try:
-                image = self._images.submit(request.image)
-            except BaseException:
-                self.store.cancel(slot)
-                raise
-            self._work[request_id] = Fetching(request, image, slot, replies=replies)
+            self._reserve_and_fetch(request_id, request, replies)
             return
         session = self.store.begin_turn(request.session)
         try:
@@ -189,6 +184,18 @@ class SessionService(Generic[StateT, TurnT]):
         except BaseException:
             self.store.end_turn(session)
             raise
+
+    def _reserve_and_fetch(
+        self, request_id: str, request: OpenSession | ChatCompletion, replies: Replies | None
+    ) -> None:
+        """Hold a session slot for an open while its image loads (freed if it cannot start)."""
+        slot = self.store.reserve()
+        try:
+            image = self._images.submit(request.image)
+        except BaseException:
+            self.store.cancel(slot)
+            raise
+        self._work[request_id] = Fetching(request, image, slot, replies=replies)
 
     def _start_query(
         self,
@@ -229,7 +236,7 @@ class SessionService(Generic[StateT, TurnT]):
                 self._start_query(request_id, request, session, work.image.result())
             except BaseException as exc:
                 self.store.end_turn(session)
-                return error_reply(exc if isinstance(exc, KitError) else internal_error(exc))
+                return error_reply(as_kit_error(exc))
             return None
         opened = self._open(work, request)
         if isinstance(opened, Reply):
@@ -255,7 +262,7 @@ class SessionService(Generic[StateT, TurnT]):
                     self.engine.release(state)
                 except Exception as release_exc:
                     internal_error(release_exc)
-            return error_reply(exc if isinstance(exc, KitError) else internal_error(exc))
+            return error_reply(as_kit_error(exc))
 
     def _new_session_headers(self, session: Session) -> dict[str, str]:
         value = expires_header(session.id, self.store.expires_at(session))
@@ -273,7 +280,7 @@ class SessionService(Generic[StateT, TurnT]):
         except BaseException as exc:  # the client never learns the id: close the session
             self.store.end_turn(session)
             self.store.close(session.id)
-            return error_reply(exc if isinstance(exc, KitError) else internal_error(exc))
+            return error_reply(as_kit_error(exc))
         return None
 
     def _start_generate(self, request_id: str, work: Fetching) -> None:
@@ -354,7 +361,7 @@ class SessionService(Generic[StateT, TurnT]):
 
     def _fail_answer(self, request_id: str, work: Answering, exc: BaseException) -> Reply:
         self._drop_answer(request_id, work)
-        return self._error_for(work, exc if isinstance(exc, KitError) else internal_error(exc))
+        return self._error_for(work, as_kit_error(exc))
 
     @staticmethod
     def _error_for(work: Answering, error: KitError) -> Reply:
