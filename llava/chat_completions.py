@@ -27,8 +27,10 @@ from llava.protocol import (
     SESSION_HEADER,
     GenerationParams,
     Limits,
+    flag_field,
     header,
     is_valid_session_id,
+    number_field,
 )
 
 STREAM_CONTENT_TYPE = "text/event-stream"
@@ -134,16 +136,13 @@ def parse_chat_completion(
     image = turns[0][0]
     assert image is not None  # _conversation requires one in the first user message
     history = tuple((question, answer or "") for _, question, answer in turns[:-1])
-    stream = obj.get("stream", False)
-    if not isinstance(stream, bool):
-        raise InvalidRequest('"stream" must be true or false', field="stream")
     return ChatCompletion(
         image=image,
         system_prompt=system_prompt,
         history=history,
         prompt=turns[-1][1],
         params=_params(obj, limits),
-        stream=stream,
+        stream=flag_field(obj, "stream", False),
         include_usage=_include_usage(obj),
         model=_model(obj),
         session=_session(obj, headers),
@@ -225,31 +224,21 @@ def _content(content: Any, where: str, limits: Limits) -> tuple[str | None, str]
 
 
 def _params(obj: Mapping[str, Any], limits: Limits) -> GenerationParams:
-    tokens = obj.get("max_completion_tokens", obj.get("max_tokens"))
     name = "max_completion_tokens" if "max_completion_tokens" in obj else "max_tokens"
-    if tokens is None:
-        tokens = limits.default_max_new_tokens
-    _check_number(tokens, name, 1, limits.max_new_tokens, integer=True)
-    temperature = obj.get("temperature", 1.0)  # OpenAI's default
-    _check_number(temperature, "temperature", 0.0, 2.0, integer=False)
-    top_p = obj.get("top_p", 1.0)
-    _check_number(top_p, "top_p", 1e-6, 1.0, integer=False)
+    tokens = limits.default_max_new_tokens
+    if obj.get(name) is not None:
+        tokens = number_field(obj, name, tokens, 1, limits.max_new_tokens, integer=True)
     seed = obj.get("seed")
     if seed is not None:
-        _check_number(seed, "seed", 0, 2**63 - 1, integer=True)
+        seed = number_field(obj, "seed", 0, 0, 2**63 - 1, integer=True)
     return GenerationParams(
         max_new_tokens=tokens,
-        temperature=float(temperature),
-        top_p=float(top_p),
+        # OpenAI's default temperature is 1, not the session API's 0.
+        temperature=float(number_field(obj, "temperature", 1.0, 0.0, 2.0, integer=False)),
+        top_p=float(number_field(obj, "top_p", 1.0, 1e-6, 1.0, integer=False)),
         seed=seed,
         stop=_stop(obj.get("stop")),
     )
-
-
-def _check_number(value: Any, name: str, lo: float, hi: float, *, integer: bool) -> None:
-    kinds = int if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds) or not lo <= value <= hi:
-        raise InvalidRequest(f'"{name}" must be a number between {lo} and {hi}', field=name)
 
 
 def _stop(value: Any) -> tuple[str, ...]:

@@ -300,7 +300,7 @@ def _required(obj: Mapping[str, Any], name: str, max_chars: int) -> str:
     return value
 
 
-def _number(
+def number_field(
     obj: Mapping[str, Any], name: str, default: float, lo: float, hi: float, *, integer: bool
 ) -> Any:
     value = obj.get(name, default)
@@ -312,7 +312,7 @@ def _number(
     return value
 
 
-def _flag(obj: Mapping[str, Any], name: str, default: bool) -> bool:
+def flag_field(obj: Mapping[str, Any], name: str, default: bool) -> bool:
     value = obj.get(name, default)
     if not isinstance(value, bool):
         raise InvalidRequest(f'"{name}" must be true or false', field=name)
@@ -351,8 +351,8 @@ def _parse_query(obj: Mapping[str, Any], sid: str | None, limits: Limits) -> Que
         session_id=sid,
         prompt=_required(obj, "prompt", limits.max_prompt_chars),
         params=_params(obj, limits),
-        stream=_flag(obj, "stream", False),
-        history=_flag(obj, "history", True),
+        stream=flag_field(obj, "stream", False),
+        history=flag_field(obj, "history", True),
         image=_text(obj, "image", limits.max_body_bytes, required=False),
     )
 
@@ -367,7 +367,7 @@ def _parse_generate(obj: Mapping[str, Any], sid: str | None, limits: Limits) -> 
         system_prompt=_text(obj, "system_prompt", limits.max_system_prompt_chars, required=False),
         history=_history(obj, limits),
         params=_params(obj, limits),
-        stream=_flag(obj, "stream", False),
+        stream=flag_field(obj, "stream", False),
     )
 
 
@@ -393,9 +393,9 @@ def _history(obj: Mapping[str, Any], limits: Limits) -> tuple[tuple[str, str], .
 def _params(obj: Mapping[str, Any], limits: Limits) -> GenerationParams:
     seed = obj.get("seed")
     if seed is not None:
-        seed = _number(obj, "seed", 0, 0, 2**63 - 1, integer=True)
+        seed = number_field(obj, "seed", 0, 0, 2**63 - 1, integer=True)
     return GenerationParams(
-        max_new_tokens=_number(
+        max_new_tokens=number_field(
             obj,
             "max_new_tokens",
             limits.default_max_new_tokens,
@@ -403,8 +403,8 @@ def _params(obj: Mapping[str, Any], limits: Limits) -> GenerationParams:
             limits.max_new_tokens,
             integer=True,
         ),
-        temperature=float(_number(obj, "temperature", 0.0, 0.0, 2.0, integer=False)),
-        top_p=float(_number(obj, "top_p", 1.0, 1e-6, 1.0, integer=False)),
+        temperature=float(number_field(obj, "temperature", 0.0, 0.0, 2.0, integer=False)),
+        top_p=float(number_field(obj, "top_p", 1.0, 1e-6, 1.0, integer=False)),
         seed=seed,
     )
 
