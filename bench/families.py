@@ -11,6 +11,7 @@ Nothing is downloaded.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 from transformers import LlavaNextImageProcessorPil, LlavaNextProcessor, LlavaOnevisionProcessor
@@ -56,24 +57,35 @@ CHECKPOINTS = [
 ]
 
 
+@cache
+def _next_processor() -> LlavaNextProcessor:
+    """Return LLaVA-NeXT's processor as llava-hf configures it (the tokenizer does not matter)."""
+    return LlavaNextProcessor(
+        LlavaNextImageProcessorPil(image_grid_pinpoints=NEXT_GRIDS),
+        train_qwen_tokenizer(),
+        patch_size=14,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+    )
+
+
+@cache
+def _onevision_processor(tile_tokens: int) -> LlavaOnevisionProcessor:
+    """Return OneVision's processor as llava-hf configures it, without its video part."""
+    processor = LlavaOnevisionProcessor.__new__(LlavaOnevisionProcessor)
+    processor.image_processor = OnevisionImages(image_grid_pinpoints=ONEVISION_GRIDS)
+    processor.num_image_tokens = tile_tokens
+    processor.vision_aspect_ratio = "anyres_max_9"
+    return processor
+
+
 def image_tokens(checkpoint: Checkpoint, height: int, width: int) -> int:
     """Count the image tokens the checkpoint's processor expands one image of this size to."""
     if checkpoint.kind == "fixed":
         return checkpoint.fixed_tokens
-    tokenizer = train_qwen_tokenizer()  # the counts do not depend on the tokenizer
-    if checkpoint.kind == "next":
-        processor = LlavaNextProcessor(
-            LlavaNextImageProcessorPil(image_grid_pinpoints=NEXT_GRIDS),
-            tokenizer,
-            patch_size=14,
-            vision_feature_select_strategy="default",
-            num_additional_image_tokens=1,
-        )
-        return processor._get_number_of_features(height, width, 336, 336) - 1  # CLS dropped
-    processor = LlavaOnevisionProcessor.__new__(LlavaOnevisionProcessor)  # no video processor
-    processor.image_processor = OnevisionImages(image_grid_pinpoints=ONEVISION_GRIDS)
-    processor.num_image_tokens = checkpoint.fixed_tokens
-    processor.vision_aspect_ratio = "anyres_max_9"
+    if checkpoint.kind == "next":  # the CLS token is dropped ("default" feature strategy)
+        return _next_processor()._get_number_of_features(height, width, 336, 336) - 1
+    processor = _onevision_processor(checkpoint.fixed_tokens)
     return processor._get_number_of_features(height, width, 384, 384)
 
 
