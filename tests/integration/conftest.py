@@ -8,9 +8,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from helpers import Reference
 
 from llava.archive import build_archive
 from llava.launcher import TorchServe
+from llava.tiny import build_checkpoint
 
 WORKER_DIED = ("Backend worker process died", "worker died", "IllegalStateException")
 
@@ -24,6 +26,21 @@ def model_store(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory)
 
 def start_server(store: Path, workdir: Path, **env: str) -> TorchServe:
     return TorchServe(store, "llava", workdir=workdir, env=env).start()
+
+
+@contextmanager
+def serving_profile(
+    profile: str, tmp_path_factory: pytest.TempPathFactory, **env: str
+) -> Iterator[tuple[TorchServe, Reference]]:
+    """Build a tiny profile's checkpoint, serve it, and give the oracle on the same weights."""
+    checkpoint = build_checkpoint(tmp_path_factory.mktemp("ckpt") / profile, profile)
+    store = tmp_path_factory.mktemp(f"store-{profile}")
+    build_archive(checkpoint, store, name="llava")
+    server = start_server(store, tmp_path_factory.mktemp(f"ts-{profile}"), **env)
+    try:
+        yield server, Reference(Path(checkpoint))
+    finally:
+        server.stop()
 
 
 @contextmanager

@@ -8,16 +8,13 @@ A single-image family (LLaVA-1.5) refuses an added image with a 400 and keeps se
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
-from conftest import assert_no_worker_death, start_server
+from conftest import assert_no_worker_death, serving_profile
 from helpers import Reference, ask, data_uri, make_image, open_session, post
 
-from llava.archive import build_archive
 from llava.launcher import TorchServe
-from llava.tiny import build_checkpoint
 
 pytestmark = pytest.mark.integration
 
@@ -29,16 +26,9 @@ TOKENS = 10
 def served(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[TorchServe, Reference]]:
-    profile = request.param
-    checkpoint = build_checkpoint(tmp_path_factory.mktemp("ckpt") / profile, profile)
-    store = tmp_path_factory.mktemp(f"store-{profile}")
-    build_archive(checkpoint, store, name="llava")
-    server = start_server(store, tmp_path_factory.mktemp(f"ts-{profile}"))
-    try:
-        yield server, Reference(Path(checkpoint))
+    with serving_profile(request.param, tmp_path_factory) as (server, reference):
+        yield server, reference
         assert_no_worker_death(server)
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")

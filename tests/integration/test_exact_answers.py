@@ -12,16 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
-from conftest import start_server
+from conftest import serving_profile
 from helpers import Reference, ask, data_uri, make_image, open_session
 
-from llava.archive import build_archive
 from llava.launcher import TorchServe
-from llava.tiny import build_checkpoint
 
 pytestmark = pytest.mark.integration
 
@@ -38,16 +35,9 @@ def served(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[TorchServe, Reference]]:
     """A TorchServe serving one profile, and the oracle on the same checkpoint."""
-    profile = request.param
-    checkpoint = build_checkpoint(tmp_path_factory.mktemp("ckpt") / profile, profile)
-    store = tmp_path_factory.mktemp(f"store-{profile}")
-    build_archive(checkpoint, store, name="llava")
     budget = {"LLAVA_DEVICE_BUDGET_MB": "0.04"}  # a few sessions' caches
-    server = start_server(store, tmp_path_factory.mktemp(f"ts-{profile}"), **budget)
-    try:
-        yield server, Reference(Path(checkpoint))
-    finally:
-        server.stop()
+    with serving_profile(request.param, tmp_path_factory, **budget) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
