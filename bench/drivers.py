@@ -107,7 +107,8 @@ class InProcess:
             started = time.perf_counter()
             if strategy == "stateless":
                 sent = len(generate_body(image_uri, history, prompt, max_new_tokens))
-                state = engine.open_session(self.images.load(image_uri), prefill=False)
+                image = engine.prepare(self.images.load(image_uri))
+                state = engine.new_session(image)
                 engine.replay(state, history)
             elif state is None:
                 sent += len(open_body(image_uri))

@@ -95,9 +95,10 @@ def image_key(ref: str) -> str:
     return hashlib.sha256(ref.strip().encode()).hexdigest()
 
 
-def chat_info(image: str, system_prompt: str | None) -> dict[str, Any]:
-    """Return what a session keeps of its opening, to recognise its chat when it is re-sent."""
-    return {"image_key": image_key(image), "system_prompt": system_prompt}
+def chat_info(key: str, system_prompt: str | None) -> dict[str, Any]:
+    """Return what a session keeps of its opening (the image's `image_key`), to recognise its
+    chat when it is re-sent."""
+    return {"image_key": key, "system_prompt": system_prompt}
 
 
 def check_same_chat(info: Mapping[str, Any], request: ChatCompletion) -> None:

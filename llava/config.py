@@ -41,6 +41,9 @@ class ServerConfig:
     device_budget_mb: float = 0.0
     host_budget_mb: float = 0.0
     cache_mode: str = "kv"  # "kv": per-session KV cache; "pixels": the reference design
+    # Scheduling: the tokens one step may process (decodes, prefill chunks, vision-tower work);
+    # what bounds how long any stream waits while others open sessions or ask long questions.
+    step_token_budget: int = 256
     reaper_interval_s: float = 5.0
     # Requests
     max_body_bytes: int = 6 * 1024 * 1024
@@ -55,7 +58,7 @@ class ServerConfig:
     image_max_bytes: int = 20 * 1024 * 1024
     image_max_pixels: int = 40_000_000
     image_timeout_s: float = 20.0
-    image_fetch_threads: int = 4
+    image_fetch_threads: int = 16  # downloads in flight at once (each waits on the network)
     max_images_per_session: int = 8  # the opening image and those added with questions
 
     def __post_init__(self) -> None:

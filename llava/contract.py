@@ -38,14 +38,29 @@ TurnT = TypeVar("TurnT", bound=EngineTurn)
 class Engine(Protocol[StateT, TurnT]):
     """Open sessions, start answers, advance them one step at a time, commit or roll back."""
 
-    def open_session(
-        self, image: Any, system_prompt: str | None = None, *, prefill: bool = True
-    ) -> StateT:
-        """Process an image into a new session's state (prefilled unless `prefill=False`)."""
+    def prepare(self, image: Any, state: StateT | None = None) -> Any:
+        """Run the processor on a decoded image (joining `state`'s conversation); called on
+        the image threads, never the step loop."""
+        ...
+
+    def new_session(self, image: Any, system_prompt: str | None = None) -> StateT:
+        """Make a new session's state from a prepared image; computes nothing yet."""
+        ...
+
+    def start_open(self, state: StateT) -> TurnT:
+        """Return the turn that encodes and prefills a new session (stepped like an answer)."""
         ...
 
     def replay(self, state: StateT, history: list[tuple[str, str]]) -> None:
-        """Give a state opened with `prefill=False` earlier questions and answers."""
+        """Give a state made by `new_session` earlier questions and answers."""
+        ...
+
+    def out_of_memory(self, exc: BaseException) -> bool:
+        """Tell whether a step failed for lack of device memory (worth one retry)."""
+        ...
+
+    def free_memory(self) -> None:
+        """Return the memory the engine holds between steps (stacked batches, allocator cache)."""
         ...
 
     def release(self, state: StateT) -> None:
@@ -62,8 +77,8 @@ class Engine(Protocol[StateT, TurnT]):
         image: Any = None,
         conversation: Sequence[tuple[str, str]] | None = None,
     ) -> TurnT:
-        """Prepare an answer (adding `image` to the conversation); refuse what the model cannot
-        take with `InvalidRequest`."""
+        """Prepare an answer (adding a prepared `image` to the conversation); refuse what the
+        model cannot take with `InvalidRequest`."""
         ...
 
     def step(self, turns: list[TurnT]) -> dict[int, BaseException]:

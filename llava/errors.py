@@ -104,6 +104,16 @@ class CapacityExceeded(KitError):
         self.retry_after_s = retry_after_s
 
 
+class OutOfDeviceMemory(KitError):
+    """The device ran out of memory for this request even after freeing what it could."""
+
+    status, code = 503, "out_of_device_memory"
+
+    def __init__(self, message: str, *, retry_after_s: int = 2, **details: Any) -> None:
+        super().__init__(message, retry_after_s=retry_after_s, **details)
+        self.retry_after_s = retry_after_s
+
+
 class Cancelled(KitError):
     """The client went away or the session closed while an answer was being generated."""
 

@@ -1,15 +1,17 @@
-"""What the service tracks for each request between steps: waiting for an image, or answering."""
+"""What the service tracks for each request between steps: waiting for an image, opening a
+session (its image encoded and prefilled over several steps), or answering."""
 
 from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Generic
+from typing import Any, Generic
 
 from llava.chat_completions import ChatCompletion
-from llava.contract import TurnT
+from llava.errors import KitError
+from llava.contract import StateT, TurnT
 from llava.protocol import Generate, OpenSession, Query
-from llava.replies import Replies
+from llava.replies import Replies, Reply, error_reply
 from llava.sessions import Session, Slot
 
 
@@ -25,6 +27,18 @@ class Fetching:
 
 
 @dataclass(eq=False)
+class Opening(Generic[StateT, TurnT]):
+    """A session being opened: its state exists, its image and prefix are computed in steps."""
+
+    request: OpenSession | ChatCompletion
+    slot: Slot
+    state: StateT
+    turn: TurnT
+    info: dict[str, Any]  # what the store keeps of the opening (image key, system prompt)
+    replies: Replies | None = None  # a chat completion's: it answers once the session is open
+
+
+@dataclass(eq=False)
 class Answering(Generic[TurnT]):
     """A request whose answer is being generated, one step at a time."""
 
@@ -35,3 +49,39 @@ class Answering(Generic[TurnT]):
     transient: bool = False  # a one-shot generate: its state is dropped at the end
     streaming: bool = False  # the HTTP head has gone out
     headers: dict[str, str] = field(default_factory=dict)  # sent with the first reply
+
+    def chunk(self) -> Reply | None:
+        """What a step that did not finish the answer sends: the new text, if streamed."""
+        if not self.stream or (self.streaming and not self.turn.delta):
+            return None  # nothing new to send: stay in the batch silently
+        # The first token always goes out at once (its text may still be held back, half a
+        # character), so a client's time to first token is the model's.
+        return self.stream_reply(self.replies.chunk(self.turn.delta), last=False)
+
+    def finished(self) -> Reply:
+        """The reply of a finished answer: its last stream chunk, or the whole response."""
+        turn = self.turn
+        usage = turn.usage()
+        if self.stream:
+            return self.stream_reply(
+                self.replies.last(turn.delta, usage, turn.finish_reason), last=True
+            )
+        return Reply(
+            self.replies.whole(turn.text, usage, turn.finish_reason), headers=self.headers
+        )
+
+    def failed(self, error: KitError) -> Reply:
+        """The reply of a failed answer: in-band once the stream has started, else an error."""
+        if self.streaming:  # the head is gone: report in-band and end the stream
+            kind = self.replies.stream_content_type
+            return Reply(self.replies.error(error.to_body()), content_type=kind, last=True)
+        return error_reply(error)
+
+    def stream_reply(self, body: bytes, *, last: bool) -> Reply:
+        first = not self.streaming
+        self.streaming = True
+        kind = self.replies.stream_content_type
+        headers = self.headers if first else {}
+        if first and last:  # a stream that is over at its first step is just a whole response
+            return Reply(body, headers=headers, content_type=kind, last=None)
+        return Reply(body, headers=headers, content_type=kind, last=last)

@@ -2,10 +2,13 @@
 
 TorchServe's continuous batching calls the handler once per generation step with every active
 request; this module is what the handler delegates to, with no TorchServe types in sight. Each
-call to `step()` admits new requests, finishes opens whose images have arrived, advances every
-answer by one token in one engine step, and returns, per request, either a `Reply` or `None`
-("nothing to send yet": the request stays in the batch and comes back next step). A request
-that disappears from the batch has lost its client: its work is rolled back.
+call to `step()` admits new requests, turns those whose images have arrived (fetched, decoded and
+run through the processor on the image threads) into engine turns, runs one engine step over
+every open being computed and every answer (the engine's scheduler decides how much of each, under
+a token budget), and returns, per request, either a `Reply` or `None` ("nothing to send yet": the
+request stays in the batch and comes back next step). A request that disappears from the batch
+has lost its client: its work is rolled back. A step that runs out of device memory frees what
+it can (idle sessions' caches move to host memory) and is retried once.
 
 Nothing a request does can fail another: every error is caught per request and becomes that
 request's own 4xx/5xx reply (or, once a stream has started, an in-band error line).
@@ -20,11 +23,17 @@ from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
 from typing import Any, Generic
 
-from llava.chat_completions import ChatCompletion, OpenAIReplies, chat_info, check_same_chat
+from llava.chat_completions import (
+    ChatCompletion,
+    OpenAIReplies,
+    chat_info,
+    check_same_chat,
+    image_key,
+)
 from llava.contract import Engine, StateT, TurnT
-from llava.errors import KitError
+from llava.errors import KitError, OutOfDeviceMemory
 from llava.images.background import BackgroundImages, ImageSource
-from llava.inflight import Answering, Fetching
+from llava.inflight import Answering, Fetching, Opening
 from llava.protocol import (
     CLOSED_SESSION_HEADER,
     NEW_SESSION,
@@ -47,7 +56,7 @@ from llava.replies import (
     error_reply,
     internal_error,
 )
-from llava.sessions import LOST, Session, SessionStore
+from llava.sessions import LOST, Session, SessionStore, Slot
 
 log = logging.getLogger(__name__)
 
@@ -75,14 +84,14 @@ class SessionService(Generic[StateT, TurnT]):
         images: ImageSource,
         *,
         limits: Limits = Limits(),
-        fetch_threads: int = 4,
+        fetch_threads: int = 16,
     ) -> None:
         self.engine = engine
         self.store = store
         self.images = images
         self.limits = limits
         self._images = BackgroundImages(images, fetch_threads)
-        self._work: dict[str, Fetching | Answering[TurnT]] = {}
+        self._work: dict[str, Fetching | Opening[StateT, TurnT] | Answering[TurnT]] = {}
 
     def close(self) -> None:
         """Stop the image fetch threads."""
@@ -127,7 +136,8 @@ class SessionService(Generic[StateT, TurnT]):
             self._admit_chat(item.request_id, request)
             return None
         if isinstance(request, Generate):
-            self._work[item.request_id] = Fetching(request, self._images.submit(request.image))
+            image = self._images.submit(request.image, self.engine.prepare)
+            self._work[item.request_id] = Fetching(request, image)
             return None
         if isinstance(request, OpenSession):
             self._reserve_and_fetch(item.request_id, request, None)
@@ -136,7 +146,10 @@ class SessionService(Generic[StateT, TurnT]):
             session = self.store.begin_turn(request.session_id)
             try:
                 if request.image is not None:
-                    image = self._images.submit(request.image)
+                    state = session.state
+                    image = self._images.submit(
+                        request.image, lambda decoded: self.engine.prepare(decoded, state)
+                    )
                     self._work[item.request_id] = Fetching(request, image, session=session)
                 else:
                     self._start_query(item.request_id, request, session)
@@ -152,7 +165,7 @@ class SessionService(Generic[StateT, TurnT]):
         )
 
     def _wait_if_idle(self, replies: dict[str, Reply]) -> None:
-        if replies or any(isinstance(w, Answering) for w in self._work.values()):
+        if replies or any(not isinstance(w, Fetching) for w in self._work.values()):
             return
         pending = [w.image for w in self._work.values() if isinstance(w, Fetching)]
         if pending:
@@ -170,9 +183,8 @@ class SessionService(Generic[StateT, TurnT]):
                 params=request.params,
                 stream=request.stream,
             )
-            self._work[request_id] = Fetching(
-                generate, self._images.submit(request.image), replies=replies
-            )
+            image = self._images.submit(request.image, self.engine.prepare)
+            self._work[request_id] = Fetching(generate, image, replies=replies)
             return
         if request.session == NEW_SESSION:
             self._reserve_and_fetch(request_id, request, replies)
@@ -190,8 +202,13 @@ class SessionService(Generic[StateT, TurnT]):
     ) -> None:
         """Hold a session slot for an open while its image loads (freed if it cannot start)."""
         slot = self.store.reserve()
+        ref = request.image
+
+        def prepare(decoded: Any) -> tuple[Any, str]:  # on the image threads, with the hash
+            return self.engine.prepare(decoded), image_key(ref)
+
         try:
-            image = self._images.submit(request.image)
+            image = self._images.submit(ref, prepare)
         except BaseException:
             self.store.cancel(slot)
             raise
@@ -227,8 +244,6 @@ class SessionService(Generic[StateT, TurnT]):
         request = work.request
         if isinstance(request, Generate):
             return self._guard(lambda _: self._start_generate(request_id, work), None)
-        if isinstance(request, ChatCompletion):
-            return self._open_chat(request_id, request, work)
         if isinstance(request, Query):
             assert work.session is not None  # a query always holds its session
             session = work.session
@@ -238,45 +253,63 @@ class SessionService(Generic[StateT, TurnT]):
                 self.store.end_turn(session)
                 return error_reply(as_kit_error(exc))
             return None
-        opened = self._open(work, request)
-        if isinstance(opened, Reply):
-            return opened
-        expires = self.store.expires_at(opened)
-        return Reply(
-            _json({"session_id": opened.id, "expires_at": iso_utc(expires)}),
-            headers=self._new_session_headers(opened),
-        )
+        return self._begin_open(request_id, request, work)
 
-    def _open(self, work: Fetching, request: OpenSession | ChatCompletion) -> Session | Reply:
-        """Open the session an open (or a chat completion's NEW_SESSION) asked for."""
+    def _begin_open(
+        self, request_id: str, request: OpenSession | ChatCompletion, work: Fetching
+    ) -> Reply | None:
+        """Make the new session's state; its image and prefix are computed in later steps."""
         assert work.slot is not None  # an open always holds a slot
         state: StateT | None = None
         try:
-            state = self.engine.open_session(work.image.result(), request.system_prompt)
-            info = chat_info(request.image, request.system_prompt)
-            return self.store.add(work.slot, state, state.nbytes, **info)
+            prepared, key = work.image.result()
+            state = self.engine.new_session(prepared, request.system_prompt)
+            turn = self.engine.start_open(state)
         except BaseException as exc:
-            self.store.cancel(work.slot)
-            if state is not None:  # opened but never stored: free it, or its memory leaks
-                try:
-                    self.engine.release(state)
-                except Exception as release_exc:
-                    internal_error(release_exc)
+            self._cancel_open(work.slot, state)
             return error_reply(as_kit_error(exc))
+        info = chat_info(key, request.system_prompt)
+        self._work[request_id] = Opening(request, work.slot, state, turn, info, work.replies)
+        return None
+
+    def _cancel_open(self, slot: Slot, state: StateT | None) -> None:
+        """Free an open's slot and whatever engine state it had (or its memory leaks)."""
+        self.store.cancel(slot)
+        if state is not None:
+            try:
+                self.engine.release(state)
+            except Exception as exc:
+                internal_error(exc)
+
+    def _opened(self, request_id: str, work: Opening[StateT, TurnT]) -> Reply | None:
+        """Store a session whose opening is computed; reply with its id (or answer a chat)."""
+        del self._work[request_id]
+        try:
+            self.engine.finish_turn(work.turn)
+            session = self.store.add(work.slot, work.state, work.state.nbytes, **work.info)
+        except BaseException as exc:
+            self._cancel_open(work.slot, work.state)
+            return error_reply(as_kit_error(exc))
+        if isinstance(work.request, ChatCompletion):
+            return self._answer_new_chat(request_id, work.request, session, work.replies)
+        expires = self.store.expires_at(session)
+        return Reply(
+            _json({"session_id": session.id, "expires_at": iso_utc(expires)}),
+            headers=self._new_session_headers(session),
+        )
 
     def _new_session_headers(self, session: Session) -> dict[str, str]:
         value = expires_header(session.id, self.store.expires_at(session))
         return {NEW_SESSION_HEADER: value, SESSION_HEADER: value}
 
-    def _open_chat(self, request_id: str, request: ChatCompletion, work: Fetching) -> Reply | None:
-        """Open a session for a chat completion sent with NEW_SESSION, then answer it."""
-        opened = self._open(work, request)
-        if isinstance(opened, Reply):
-            return opened
+    def _answer_new_chat(
+        self, request_id: str, request: ChatCompletion, opened: Session, replies: Replies | None
+    ) -> Reply | None:
+        """Answer a chat completion sent with NEW_SESSION in the session just opened for it."""
         session = self.store.begin_turn(opened.id)
         headers = self._new_session_headers(opened)
         try:
-            self._start_query(request_id, request, session, replies=work.replies, headers=headers)
+            self._start_query(request_id, request, session, replies=replies, headers=headers)
         except BaseException as exc:  # the client never learns the id: close the session
             self.store.end_turn(session)
             self.store.close(session.id)
@@ -287,7 +320,7 @@ class SessionService(Generic[StateT, TurnT]):
         """Turn a one-shot generate whose image arrived into an answer with a transient state."""
         request = work.request
         assert isinstance(request, Generate)
-        state = self.engine.open_session(work.image.result(), request.system_prompt, prefill=False)
+        state = self.engine.new_session(work.image.result(), request.system_prompt)
         try:
             self.engine.replay(state, list(request.history))
             turn = self.engine.start_turn(state, request.prompt, request.params)
@@ -300,58 +333,83 @@ class SessionService(Generic[StateT, TurnT]):
 
     # -- answering -------------------------------------------------------------------------
     def _advance_answers(self) -> dict[str, Reply]:
-        running = [(r, w) for r, w in self._work.items() if isinstance(w, Answering)]
+        """Run one engine step over every open and answer; reply to those it finished."""
+        running = [(r, w) for r, w in self._work.items() if not isinstance(w, Fetching)]
         if not running:
             return {}
-        try:
-            errors = self.engine.step([w.turn for _, w in running])
-        except Exception as exc:  # the engine could not even isolate the failure
-            errors = dict.fromkeys(range(len(running)), exc)
+        errors = self._step_turns([w.turn for _, w in running])
         replies: dict[str, Reply] = {}
         for i, (request_id, work) in enumerate(running):
             reply: Reply | None
             try:
-                if i in errors:
+                if isinstance(work, Opening):
+                    reply = self._advance_open(request_id, work, errors.get(i))
+                elif i in errors:
                     reply = self._fail_answer(request_id, work, errors[i])
                 elif work.turn.done:
                     reply = self._finish_answer(request_id, work)
                 else:
-                    reply = self._chunk(work)
-            except Exception as exc:  # finishing this answer failed: fail it alone
+                    reply = work.chunk()
+            except Exception as exc:  # finishing this request failed: fail it alone
                 self._work.pop(request_id, None)
-                reply = self._error_for(work, internal_error(exc))
+                error = internal_error(exc)
+                reply = work.failed(error) if isinstance(work, Answering) else error_reply(error)
             if reply is not None:
                 replies[request_id] = reply
         return replies
 
-    def _chunk(self, work: Answering) -> Reply | None:
-        if not work.stream or (work.streaming and not work.turn.delta):
-            return None  # nothing new to send: stay in the batch silently
-        # The first token always goes out at once (its text may still be held back, half a
-        # character), so a client's time to first token is the model's.
-        return self._stream_reply(work, work.replies.chunk(work.turn.delta), last=False)
+    def _step_turns(self, turns: list[TurnT]) -> dict[int, BaseException]:
+        """One engine step; turns that ran out of device memory get one retry after the
+        engine and the idle sessions have freed what they can (failed forwards roll back)."""
+        if all(turn.done for turn in turns):
+            return {}
+        try:
+            errors = self.engine.step(turns)
+        except Exception as exc:  # the engine could not even isolate the failure
+            return dict.fromkeys(range(len(turns)), exc)
+        short = [i for i, exc in errors.items() if self.engine.out_of_memory(exc)]
+        if not short:
+            return errors
+        log.warning("%d request(s) ran out of device memory; freeing memory, retrying", len(short))
+        try:
+            self.engine.free_memory()
+            self.store.relieve()
+            again = self.engine.step([turns[i] for i in short])
+        except Exception as failure:
+            again = dict.fromkeys(range(len(short)), failure)
+        for i in short:
+            errors.pop(i)
+        for j, error in again.items():
+            if self.engine.out_of_memory(error):
+                error = OutOfDeviceMemory(
+                    "the GPU ran out of memory for this request, even after moving idle "
+                    "sessions to host memory; retry shortly, or lower device_budget_mb"
+                )
+            errors[short[j]] = error
+        return errors
 
-    def _stream_reply(self, work: Answering, body: bytes, *, last: bool) -> Reply:
-        first = not work.streaming
-        work.streaming = True
-        kind = work.replies.stream_content_type
-        headers = work.headers if first else {}
-        if first and last:  # a stream that is over at its first step is just a whole response
-            return Reply(body, headers=headers, content_type=kind, last=None)
-        return Reply(body, headers=headers, content_type=kind, last=last)
+    def _advance_open(
+        self, request_id: str, work: Opening[StateT, TurnT], error: BaseException | None
+    ) -> Reply | None:
+        if error is not None:
+            del self._work[request_id]
+            self._abort_open(work)
+            return error_reply(as_kit_error(error))
+        return self._opened(request_id, work) if work.turn.done else None
+
+    def _abort_open(self, work: Opening[StateT, TurnT]) -> None:
+        try:
+            self.engine.abort_turn(work.turn)
+        finally:
+            self._cancel_open(work.slot, work.state)
 
     def _finish_answer(self, request_id: str, work: Answering) -> Reply:
         del self._work[request_id]
-        turn = work.turn
         try:
-            self.engine.finish_turn(turn)
+            self.engine.finish_turn(work.turn)
         finally:
             self._end_turn(work)
-        usage = turn.usage()
-        if work.stream:
-            body = work.replies.last(turn.delta, usage, turn.finish_reason)
-            return self._stream_reply(work, body, last=True)
-        return Reply(work.replies.whole(turn.text, usage, turn.finish_reason), headers=work.headers)
+        return work.finished()
 
     def _end_turn(self, work: Answering) -> None:
         if work.transient:
@@ -361,14 +419,7 @@ class SessionService(Generic[StateT, TurnT]):
 
     def _fail_answer(self, request_id: str, work: Answering, exc: BaseException) -> Reply:
         self._drop_answer(request_id, work)
-        return self._error_for(work, as_kit_error(exc))
-
-    @staticmethod
-    def _error_for(work: Answering, error: KitError) -> Reply:
-        if work.streaming:  # the head is gone: report in-band and end the stream
-            kind = work.replies.stream_content_type
-            return Reply(work.replies.error(error.to_body()), content_type=kind, last=True)
-        return error_reply(error)
+        return work.failed(as_kit_error(exc))
 
     def _drop_answer(self, request_id: str, work: Answering) -> None:
         del self._work[request_id]
@@ -388,6 +439,9 @@ class SessionService(Generic[StateT, TurnT]):
         try:
             if isinstance(work, Answering):
                 self._drop_answer(request_id, work)
+            elif isinstance(work, Opening):
+                del self._work[request_id]
+                self._abort_open(work)
             elif isinstance(work, Fetching):
                 del self._work[request_id]
                 work.image.cancel()

@@ -81,6 +81,10 @@ class MemoryPolicy(Protocol):
         """
         ...
 
+    def relieve(self, sessions: list[Session]) -> None:
+        """Free all the device memory idle sessions hold (the device ran out of it)."""
+        ...
+
 
 class ByteBudget:
     """Evict the least recently used idle sessions while the total exceeds `budget_bytes`."""
@@ -97,6 +101,9 @@ class ByteBudget:
             total -= session.nbytes
             victims.append(session)
         return victims
+
+    def relieve(self, sessions: list[Session]) -> None:
+        """Nothing to move: this policy only counts bytes."""
 
 
 def idle_sessions(sessions: list[Session], keep: str | None) -> list[Session]:
@@ -373,6 +380,17 @@ class SessionStore:
             getattr(self._journal, event)(*args)
         except Exception:
             log.warning("session journal failed on %s", event, exc_info=True)
+
+    def relieve(self) -> None:
+        """Ask the memory policy to free the device memory of every idle session."""
+        if self.memory is None:
+            return
+        with self._lock:
+            sessions = list(self._sessions.values())
+            try:
+                self.memory.relieve(sessions)
+            except Exception:
+                log.exception("memory policy failed to free device memory")
 
     def _enforce_budget(self, keep: str) -> None:
         if self.memory is None:

@@ -3,16 +3,20 @@
 Opening a session runs the vision tower once and prefills the system prompt and image tokens;
 each question re-renders the whole conversation with the model's chat template, tokenizes it
 whole (so the ids are exactly those of transformers' own pipeline), reuses the session's cache
-for the longest common prefix and prefills only the rest. Every `step()` advances each answer by
-one prefill chunk or one token; answers decoding on the same replica share one batched forward.
+for the longest common prefix and prefills only the rest. Every `step()` runs what the scheduler
+(`scheduler.py`) chose under the step's token budget: one token for every answer decoding
+(answers on the same replica share one batched forward), vision-tower runs and prefill chunks.
 A forward that fails leaves every cache as it was before it.
 
     engine = LlavaEngine.load("path/to/checkpoint", ServerConfig())
-    state = engine.open_session(image, system_prompt=None)
+    state = engine.open_session(image, system_prompt=None)   # in-process: runs the open's steps
     turn = engine.start_turn(state, "What is in the picture?", GenerationParams())
     while not turn.done:
         engine.step([turn])
     engine.finish_turn(turn)         # commits the answer to the session's history
+
+A server never blocks a step on an open: it calls `prepare` on its image threads, then
+`new_session` and `start_open`, and steps the open's turn with everyone else's.
 
 `cache_mode="pixels"` is the reference design kept for comparison: the session keeps only the
 processed image, and every question re-runs the vision tower and prefills the whole conversation.
@@ -32,12 +36,13 @@ from llava.config import ServerConfig
 from llava.engine.batch import DecodeBatch
 from llava.engine.cache import assign, crop_to, move_cache, new_cache
 from llava.engine.chat import ChatFormatter, Exchange, common_prefix
-from llava.engine.imageset import ImageEncoder, ImageSet
+from llava.engine.imageset import EMPTY, ImageEncoder, ImageSet, PreparedImages
 from llava.engine.loading import HOST, load_model, load_processor, resolve_devices
 from llava.engine.sampling import Detokenizer, make_generator, next_token, visible_text
+from llava.engine.scheduler import Pending, plan_step
 from llava.engine.selfcheck import self_check
 from llava.engine.state import Replica, SessionState, Tier, Turn
-from llava.engine.vision import embed, image_token_id
+from llava.engine.vision import embed, image_token_id, tower_ratio
 from llava.errors import InvalidRequest
 from llava.families import check_model_type, checkpoint_family
 from llava.protocol import GenerationParams
@@ -70,6 +75,7 @@ class LlavaEngine:
             eos = self.tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
         self._batches: dict[int, DecodeBatch] = {}  # replica index -> stacked decode batch
+        self.tower_ratio = tower_ratio(model)
 
     @classmethod
     def load(cls, model_dir: str | Path, config: ServerConfig) -> LlavaEngine:
@@ -87,39 +93,62 @@ class LlavaEngine:
         return self.config.cache_mode == "kv"
 
     # -- sessions --------------------------------------------------------------------------
-    @torch.inference_mode()
-    def open_session(
-        self, image: Any, system_prompt: str | None = None, *, prefill: bool = True
-    ) -> SessionState:
-        """Process the image once; in kv mode also prefill the system prompt and image tokens.
+    def prepare(self, image: Any, state: SessionState | None = None) -> PreparedImages:
+        """Run the processor on a new image (for `state`'s conversation, if it joins one).
 
-        `prefill=False` keeps only the image features (a one-shot answer computes everything
-        in its own first step).
+        CPU work, safe on any thread: servers call it on their image threads.
         """
+        return self.images.prepare(image, state.images if state is not None else None)
+
+    def new_session(self, image: PreparedImages, system_prompt: str | None = None) -> SessionState:
+        """Make a session's state from a prepared image; nothing is computed yet."""
         self._refuse_placeholder(system_prompt, "system_prompt")
         replica = min(self.replicas, key=lambda r: r.sessions)
-        images = self.images.encode(replica.model, replica.device, [image])
+        images = self.images.start(image, replica.device)
         prefix = self.chat.tokenize(self.chat.prefix_text(system_prompt), images.tokens)
         state = SessionState(replica, system_prompt, images, len(prefix))
+        state.tier = Tier.FEATURES if self.keeps_kv else Tier.DEVICE
         replica.sessions += 1
-        if not self.keeps_kv:  # the reference design: keep the processed image on the device
-            return state
-        if not prefill:
-            state.tier = Tier.FEATURES
-            return state
-        state.cache = new_cache(self.num_layers)
+        return state
+
+    @torch.inference_mode()
+    def start_open(self, state: SessionState) -> Turn:
+        """Return the turn that encodes a new session's image and prefills its opening.
+
+        Stepped like an answer (in tower runs and chunks), it generates nothing; `finish_turn`
+        commits it. In `pixels` mode there is nothing to compute: the turn is already done.
+        """
+        prefix = self.chat.tokenize(self.chat.prefix_text(state.system_prompt), state.images.tokens)
+        turn = self._new_turn(state, "", GenerationParams(), prefix, [], state.images, 0, 0)
+        turn.opening = True
+        if not self.keeps_kv:
+            turn.done = True
+        return turn
+
+    def open_session(self, image: Any, system_prompt: str | None = None) -> SessionState:
+        """Open a session in-process: prepare, encode and prefill at once (not for servers)."""
+        state = self.new_session(self.prepare(image), system_prompt)
         try:
-            self.forward(replica, state.cache, prefix, images.features, 0)
+            self.run_to_end(self.start_open(state))
         except BaseException:
             self.release(state)
             raise
-        state.cache_ids = prefix
         return state
 
+    def run_to_end(self, turn: Turn) -> Turn:
+        """Step one turn until it is done and commit it (in-process use)."""
+        while not turn.done:
+            errors = self.step([turn])
+            if errors:
+                self.abort_turn(turn)
+                raise errors[0]
+        self.finish_turn(turn)
+        return turn
+
     def replay(self, state: SessionState, history: list[tuple[str, str]]) -> None:
-        """Give a state opened with `prefill=False` earlier questions and answers."""
+        """Give a state made by `new_session` earlier questions and answers."""
         if state.cache is not None:
-            raise ValueError("replay needs a state without a cache (open with prefill=False)")
+            raise ValueError("replay needs a state without a cache (made by new_session)")
         for question, _ in history:
             self._refuse_placeholder(question, "history")
         state.history = [Exchange(question, answer) for question, answer in history]
@@ -128,7 +157,7 @@ class LlavaEngine:
         """Free a session's state."""
         state.replica.sessions -= 1
         state.cache, state.cache_ids = None, []
-        state.images = ImageSet([], None)
+        state.images = EMPTY
 
     @torch.inference_mode()  # the caches are inference tensors: edit them in this mode
     def offload(self, state: SessionState) -> int:
@@ -171,7 +200,8 @@ class LlavaEngine:
     ) -> Turn:
         """Tokenize the whole conversation and find what the cache already holds of it.
 
-        `image` adds a picture to the conversation with this question (multi-image families).
+        `image` adds a picture to the conversation with this question (multi-image families),
+        prepared by `prepare(image, state)`.
         `conversation` replaces the session's earlier turns with the client's (a client that
         re-sends the whole chat): the cache is kept for as long as they agree.
         """
@@ -198,19 +228,39 @@ class LlavaEngine:
                 'open a new session or ask with "history": false',
                 field="prompt",
             )
-        found = self._restore(state)
-        # At least the last id is fed again: its logits give the first answer token.
-        common = min(common_prefix(state.cache_ids, ids), len(ids) - 1)
+        common = min(common_prefix(state.cache_ids, ids), len(ids) - 1) if self.keeps_kv else 0
         if reencoded:  # the image tokens match but their features changed: recompute them
             common = min(common, ids.index(self.image_token_id))
+        turn = self._new_turn(state, prompt, params, ids, past, images, common, added, history)
+        turn.max_new_tokens = min(params.max_new_tokens, room)
+        return turn
+
+    def _new_turn(
+        self,
+        state: SessionState,
+        prompt: str,
+        params: GenerationParams,
+        ids: list[int],
+        past: list[Exchange],
+        images: ImageSet,
+        common: int,
+        added: int,
+        history: bool = True,
+    ) -> Turn:
+        """Bring the session's cache back, keep its first `common` ids and plan the rest."""
+        found = self._restore(state)
+        # At least the last id is fed again: its logits give the first answer token.
         if not self.keeps_kv:
-            cache, common = new_cache(self.num_layers), 0
+            cache = new_cache(self.num_layers)
         elif history:
             cache = state.cache
             crop_to(cache, common)  # drop what re-tokenization no longer matches
             state.cache_ids = state.cache_ids[:common]
         else:
             cache = self._prefix_copy(state.cache, common)
+        tower = self.images.pending_tokens(images)
+        if images.processed is not None:  # pixels mode: the tower runs for every answer
+            tower = images.processed.total
         return Turn(
             state=state,
             prompt=prompt,
@@ -224,44 +274,57 @@ class LlavaEngine:
             ids=ids,
             fed=ids[:common],
             pending=ids[common:],
-            max_new_tokens=min(params.max_new_tokens, room),
+            max_new_tokens=0,
             detokenizer=Detokenizer(self.tokenizer),
             generator=make_generator(params, state.replica.device),
             found_in=found,
             prefill_tokens=len(ids) - common,
             cached_tokens=common,
+            tower_tokens=tower,
+            features=images.features if not tower else None,
         )
 
     @torch.inference_mode()
     def step(self, turns: list[Turn]) -> dict[int, BaseException]:
-        """Advance every unfinished turn by one forward; return errors by position.
-
-        Turns that start this step prefill alone (their lengths differ too much to batch
-        well); turns already decoding share one forward per replica.
-        """
+        """Run this step's share of every turn, as the scheduler plans it; return errors by
+        position. A failing piece fails its own turn only, and leaves its cache as it was."""
+        work = [self._pending(i, turn) for i, turn in enumerate(turns) if not turn.done]
+        plan = plan_step(work, self.config.step_token_budget)
         errors: dict[int, BaseException] = {}
+        for i in plan.encode:
+            try:
+                self._encode(turns[i])
+            except Exception as exc:  # one failing answer must not fail the others
+                errors[i] = exc
+        for i, tokens in plan.prefill.items():
+            try:
+                self._prefill(turns[i], tokens)
+            except Exception as exc:
+                errors[i] = exc
         decoding: dict[int, list[tuple[int, Turn]]] = {}
-        for i, turn in enumerate(turns):
-            if turn.done:
-                continue
-            if turn.prefilling:
-                try:
-                    self._prefill(turn)
-                except Exception as exc:  # one failing answer must not fail the others
-                    errors[i] = exc
-            else:
-                decoding.setdefault(self.replicas.index(turn.state.replica), []).append((i, turn))
+        for i in plan.decode:
+            turn = turns[i]
+            decoding.setdefault(self.replicas.index(turn.state.replica), []).append((i, turn))
         for replica_idx, group in decoding.items():
             errors.update(self._decode(replica_idx, group))
         return errors
 
+    def _pending(self, index: int, turn: Turn) -> Pending:
+        tower = turn.tower_tokens
+        return Pending(
+            index=index,
+            decoding=not turn.prefilling,
+            tower_cost=max(1, round(tower * self.tower_ratio)) if tower else 0,
+            prefill=len(turn.pending),
+            follow_up=turn.start_len > 0,
+        )
+
     def _turn_images(self, state: SessionState, image: Any, history: bool) -> tuple[ImageSet, bool]:
         """Return the images of a turn's conversation, and whether the cached ones changed."""
-        model, device = state.replica.model, state.replica.device
         if image is None:
             if history:
                 return state.images, False
-            return self.images.first_alone(model, device, state.images)
+            return self.images.first_alone(state.images)
         if not self.multi_image:
             raise InvalidRequest(
                 "this model was trained on one image per conversation; open a new session to "
@@ -277,16 +340,40 @@ class LlavaEngine:
                 "(max_images_per_session); open a new session",
                 field="image",
             )
-        return self.images.add(model, device, state.images, image)
+        if not isinstance(image, PreparedImages):  # in-process callers may pass a decoded image
+            image = self.prepare(image, state)
+        return self.images.add(state.images, image)
 
-    def _prefill(self, turn: Turn) -> None:
+    def _encode(self, turn: Turn) -> None:
+        """Run the vision tower over the turn's new images (all of them, in pixels mode)."""
+        replica = turn.state.replica
+        if turn.images.pending is not None:
+            turn.images = self.images.encode_pending(replica.model, replica.device, turn.images)
+        turn.features = self.images.features(replica.model, replica.device, turn.images)
+        turn.tower_tokens = 0
+
+    def _prefill(self, turn: Turn, tokens: int) -> None:
+        """Feed the next `tokens` pending ids; after the last chunk, choose the first token."""
         state = turn.state
-        features = self.images.features(state.replica.model, state.replica.device, turn.images)
+        chunk, rest = turn.pending[:tokens], turn.pending[tokens:]
         offset = sum(1 for i in turn.fed if i == self.image_token_id)
-        logits = self.forward(state.replica, turn.cache, turn.pending, features, offset)
-        turn.fed = turn.fed + turn.pending
+        before = turn.cache.get_seq_length()
+        logits = self.forward(state.replica, turn.cache, chunk, turn.features, offset)
+        token = None
+        if not rest and not turn.opening:
+            try:
+                token = next_token(logits, turn.params, turn.generator)
+            except BaseException:
+                crop_to(turn.cache, before)
+                raise
+        turn.fed, turn.pending = turn.fed + chunk, rest
+        if rest:
+            return
         turn.first_token_at = time.perf_counter()
-        self._accept(turn, next_token(logits, turn.params, turn.generator))
+        if token is None:  # an open: its prefix is cached, nothing to generate
+            turn.done, turn.finished_at = True, turn.first_token_at
+            return
+        self._accept(turn, token)
 
     def forward(
         self,
@@ -392,7 +479,10 @@ class LlavaEngine:
         if self.keeps_kv:
             state.cache_ids = turn.fed
         state.images = turn.images
-        state.history = [*turn.past, Exchange(turn.prompt, turn.text, turn.added_images)]
+        if turn.opening:
+            state.tier = Tier.DEVICE
+        else:
+            state.history = [*turn.past, Exchange(turn.prompt, turn.text, turn.added_images)]
 
     @torch.inference_mode()
     def abort_turn(self, turn: Turn) -> None:
@@ -402,6 +492,19 @@ class LlavaEngine:
             return
         crop_to(turn.cache, turn.start_len)
         turn.state.cache_ids = turn.fed[: turn.start_len]
+
+    @staticmethod
+    def out_of_memory(exc: BaseException) -> bool:
+        """Tell a device out-of-memory error (worth a retry once memory is freed)."""
+        return isinstance(exc, torch.OutOfMemoryError)
+
+    @torch.inference_mode()
+    def free_memory(self) -> None:
+        """Unstack the decode batches and hand the allocator's cached blocks back."""
+        for replica_idx in list(self._batches):
+            self._split(replica_idx)
+        if any(r.device.type == "cuda" for r in self.replicas):
+            torch.cuda.empty_cache()
 
     def self_check(self) -> None:
         """Prove at start that this transformers takes what the engine passes (see selfcheck)."""

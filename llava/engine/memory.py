@@ -52,6 +52,14 @@ class TieredMemory:
                 session.nbytes = session.state.nbytes
         return victims
 
+    def relieve(self, sessions: list[Session]) -> None:
+        """Move every idle session's cache to host memory (the device ran out of memory)."""
+        for session in idle_sessions(sessions, None):
+            if session.state is None:
+                continue
+            self.engine.offload(session.state)
+            session.nbytes = session.state.nbytes
+
     def tiers(self, sessions: list[Session]) -> dict[str, dict[str, int]]:
         """Count sessions and bytes per tier (for metrics)."""
         out = {tier.value: {"sessions": 0, "device_bytes": 0, "host_bytes": 0} for tier in Tier}

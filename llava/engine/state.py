@@ -108,6 +108,9 @@ class Turn:
     detokenizer: Detokenizer
     generator: torch.Generator | None
     found_in: Tier  # where the session's state was when the question came
+    tower_tokens: int = 0  # image tokens the vision tower must produce before the prefill
+    features: torch.Tensor | None = None  # the conversation's image features, once encoded
+    opening: bool = False  # a new session's prefix: prefilled, nothing generated
     generated: list[int] = field(default_factory=list)
     text: str = ""
     delta: str = ""  # text produced by the last step

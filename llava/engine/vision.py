@@ -39,6 +39,21 @@ def image_token_id(model: Any) -> int:
     return int(value)
 
 
+def tower_ratio(model: Any) -> float:
+    """Estimate the vision tower's cost per image token against the language model's per token.
+
+    Compute per token scales with parameters, so the scheduler charges a tower run this share
+    of a prefill of as many tokens.
+    """
+    vision = sum(
+        p.numel()
+        for name, p in model.named_parameters()
+        if "vision_tower" in name or "multi_modal_projector" in name
+    )
+    total = sum(p.numel() for p in model.parameters())
+    return vision / max(total - vision, 1)
+
+
 def process_images(processor: Any, images: list[Any], token_id: int) -> ProcessedImages:
     """Run the processor on one conversation's images; count the image tokens of each.
 

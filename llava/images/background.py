@@ -1,17 +1,23 @@
 """Load images on worker threads, so the step loop never waits on a download or a decode.
 
-A reference that names an image elsewhere (a URL of any scheme, in any spelling: the one parser
-in `refs.py` decides) is loaded on the pool; one that carries its bytes (data URI, base64) is
-decoded at once, its body being already here. The step loop only polls the returned futures.
+Every reference is loaded on a thread, whatever it is: a URL of any scheme in any spelling (the
+one parser in `refs.py` decides) on the fetch threads, inline bytes (data URI, base64) on their
+own threads, so an image stalled on a slow server never holds up one that is already here. The caller's `prepare`
+(resizing and normalising: the model's processor) runs there too. The step loop only polls the
+returned futures; a load that fails names the `image` field.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
 from llava.errors import KitError
 from llava.images.refs import is_inline
+
+# Threads for inline images (decode and prepare only: CPU work, never waits on a remote server).
+LOCAL_THREADS = 2
 
 
 class ImageSource(Protocol):
@@ -25,25 +31,24 @@ class BackgroundImages:
 
     def __init__(self, source: ImageSource, threads: int) -> None:
         self._source = source
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="llava-image")
+        self._fetch = ThreadPoolExecutor(threads, thread_name_prefix="llava-image-fetch")
+        self._local = ThreadPoolExecutor(LOCAL_THREADS, thread_name_prefix="llava-image")
 
-    def submit(self, ref: str) -> Future:
-        """Start loading one image (the future holds it or its error); a broken inline one
-        raises at once."""
-        if not is_inline(ref):
-            return self._pool.submit(self._load, ref)
-        done: Future = Future()
-        done.set_result(self._load(ref))
-        return done
+    def submit(self, ref: str, prepare: Callable[[Any], Any]) -> Future:
+        """Start loading one image and preparing it; the future holds the result or the error."""
+        pool = self._local if is_inline(ref) else self._fetch
+        return pool.submit(self._load, ref, prepare)
 
     def close(self) -> None:
         """Stop the threads, dropping loads not yet started."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._fetch, self._local):
+            pool.shutdown(wait=False, cancel_futures=True)
 
-    def _load(self, ref: str) -> Any:
+    def _load(self, ref: str, prepare: Callable[[Any], Any]) -> Any:
         try:
-            return self._source.load(ref)
+            image = self._source.load(ref)
         except KitError as exc:
             if exc.field is None:
                 exc.field = "image"
             raise
+        return prepare(image)

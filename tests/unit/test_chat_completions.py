@@ -7,7 +7,13 @@ from typing import Any
 
 import pytest
 
-from llava.chat_completions import ChatCompletion, OpenAIReplies, chat_info, check_same_chat
+from llava.chat_completions import (
+    ChatCompletion,
+    OpenAIReplies,
+    chat_info,
+    check_same_chat,
+    image_key,
+)
 from llava.engine.sampling import visible_text
 from llava.errors import InvalidRequest
 from llava.protocol import NEW_SESSION, SESSION_HEADER, parse_request
@@ -84,11 +90,11 @@ def test_refusals_name_the_field(body: dict[str, Any], field: str) -> None:
 
 def test_a_session_only_continues_its_own_chat() -> None:
     request = parsed(chat())
-    check_same_chat(chat_info(IMAGE, None), request)
+    check_same_chat(chat_info(image_key(IMAGE), None), request)
     with pytest.raises(InvalidRequest, match="another image"):
-        check_same_chat(chat_info("https://example.com/dog.png", None), request)
+        check_same_chat(chat_info(image_key("https://example.com/dog.png"), None), request)
     with pytest.raises(InvalidRequest, match="system message"):
-        check_same_chat(chat_info(IMAGE, "Be brief."), request)
+        check_same_chat(chat_info(image_key(IMAGE), "Be brief."), request)
 
 
 def test_stream_events_end_with_done_and_usage_when_asked() -> None:

@@ -88,8 +88,23 @@ class FakeTurn:
 class FakeEngine:
     """Each turn yields the prompt's words, one per step."""
 
-    def open_session(self, image: Any, system_prompt: str | None = None) -> FakeState:
+    def prepare(self, image: Any, state: Any = None) -> Any:
+        return image
+
+    def new_session(self, image: Any, system_prompt: str | None = None) -> FakeState:
         return FakeState(image)
+
+    def start_open(self, state: Any) -> FakeTurn:
+        turn = FakeTurn([])
+        turn.done = True  # nothing to compute
+        return turn
+
+    @staticmethod
+    def out_of_memory(exc: BaseException) -> bool:
+        return False
+
+    def free_memory(self) -> None:
+        pass
 
     def start_turn(
         self,
@@ -105,6 +120,8 @@ class FakeEngine:
 
     def step(self, turns: list[FakeTurn]) -> dict[int, BaseException]:
         for turn in turns:
+            if turn.done:
+                continue
             word = turn.words[len(turn.generated)]
             turn.delta = word if not turn.generated else " " + word
             turn.generated.append(word)
@@ -166,12 +183,48 @@ def call(
     return outputs, context
 
 
+def handle_all(
+    handler: SessionHandler, ids: list[str], data: list[Any], headers: list[dict[str, str]]
+) -> tuple[list[Any], FakeContext]:
+    """Re-send withheld requests, as TorchServe's frontend does, until each has its reply;
+    return the outputs and one context holding every reply by the request's first index."""
+    merged = FakeContext(ids, headers)
+    outputs: list[Any] = [None] * len(ids)
+    criteria: list[Any] = [None] * len(ids)
+    waiting = list(range(len(ids)))
+    for _ in range(1000):  # each idle step waits for the image threads: a few seconds at most
+        if not waiting:
+            break
+        context = FakeContext([ids[i] for i in waiting], [headers[i] for i in waiting])
+        step_outputs = handler.handle([data[i] for i in waiting], context)
+        for j, i in enumerate(list(waiting)):
+            if j not in context.statuses:
+                continue  # withheld: sent again next step
+            merged.statuses[i] = context.statuses[j]
+            merged.content_types[i] = context.content_types[j]
+            if j in context.headers:
+                merged.headers[i] = context.headers[j]
+            outputs[i], criteria[i] = step_outputs[j], context.stopping_criteria[j]
+            waiting.remove(i)
+    assert not waiting, f"requests {waiting} were never answered"
+    merged.stopping_criteria = criteria
+    return outputs, merged
+
+
+def call_all(
+    handler: SessionHandler, rows: list[tuple[str, Any, dict[str, str]]], key: str = "body"
+) -> tuple[list[Any], FakeContext]:
+    """Run handle() steps until every row has its reply (images load on threads)."""
+    ids, headers = [rid for rid, _, _ in rows], [h for _, _, h in rows]
+    return handle_all(handler, ids, [{key: b} for _, b, _ in rows], headers)
+
+
 def stops(context: FakeContext) -> list[bool | None]:
     return [criterion(b"anything") for criterion in context.stopping_criteria]
 
 
 def open_session(handler: SessionHandler) -> str:
-    outputs, _ = call(handler, [("open", body("open_session", image=DATA_IMAGE), {})])
+    outputs, _ = call_all(handler, [("open", body("open_session", image=DATA_IMAGE), {})])
     return json.loads(outputs[0])["session_id"]
 
 
@@ -179,7 +232,7 @@ def open_session(handler: SessionHandler) -> str:
 
 
 def test_open_sets_status_content_type_headers_and_whole_response(handler: SessionHandler) -> None:
-    outputs, context = call(handler, [("r0", body("open_session", image=DATA_IMAGE), {})])
+    outputs, context = call_all(handler, [("r0", body("open_session", image=DATA_IMAGE), {})])
     reply = json.loads(outputs[0])
     assert context.statuses == {0: (200, "OK")}
     assert context.content_types == {0: JSON_CONTENT_TYPE}
@@ -250,14 +303,13 @@ def test_stopping_criteria_never_raise(handler: SessionHandler) -> None:
 
 
 def test_statuses_and_headers_are_set_per_index(handler: SessionHandler) -> None:
-    open_session(handler)  # one of the two session slots
-    rows = [
+    rows = [  # two session slots: the broken image's is freed when its load fails
         ("bad-close", body("close_session"), {SESSION_HEADER: "unknown1"}),
         ("bad-image", body("open_session", image="bad"), {}),
         ("ok", body("open_session", image=DATA_IMAGE), {}),
         ("full", body("open_session", image=DATA_IMAGE), {}),
     ]
-    outputs, context = call(handler, rows)
+    outputs, context = call_all(handler, rows)
     assert context.statuses == {
         0: (400, "Bad Request"),
         1: (400, "Bad Request"),
@@ -275,26 +327,26 @@ def test_statuses_and_headers_are_set_per_index(handler: SessionHandler) -> None
 
 @pytest.mark.parametrize("key", ["body", "data"])
 def test_rows_with_body_or_data_keys_are_read(handler: SessionHandler, key: str) -> None:
-    outputs, context = call(handler, [("r", body("open_session", image=DATA_IMAGE), {})], key=key)
+    outputs, context = call_all(
+        handler, [("r", body("open_session", image=DATA_IMAGE), {})], key=key
+    )
     assert context.statuses[0][0] == 200
     assert "session_id" in json.loads(outputs[0])
 
 
 def test_decoded_dict_body_and_raw_row_are_read(handler: SessionHandler) -> None:
-    context = FakeContext(["d", "raw"])
     data = [
         {"body": {"type": "open_session", "image": DATA_IMAGE}},
         body("open_session", image=DATA_IMAGE),
     ]
-    outputs = handler.handle(data, context)
+    outputs, context = handle_all(handler, ["d", "raw"], data, [{}, {}])
     assert len(outputs) == 2
     assert context.statuses == {0: (200, "OK"), 1: (200, "OK")}
 
 
 def test_body_key_wins_over_data_key(handler: SessionHandler) -> None:
-    context = FakeContext(["r"])
     data = [{"body": body("open_session", image=DATA_IMAGE), "data": b"{garbage"}]
-    outputs = handler.handle(data, context)
+    outputs, context = handle_all(handler, ["r"], data, [{}])
     assert context.statuses[0][0] == 200
     assert "session_id" in json.loads(outputs[0])
 

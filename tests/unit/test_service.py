@@ -98,14 +98,33 @@ class FakeEngine:
         self.step_raises: BaseException | None = None
         self.finish_raises: dict[str, BaseException] = {}
         self.start_raises: dict[str, BaseException] = {}
+        self.open_steps = 0
         self.steps = 0
 
     def names(self) -> list[str]:
         return [name for name, _ in self.calls]
 
-    def open_session(self, image: Any, system_prompt: str | None = None) -> FakeState:
-        self.calls.append(("open_session", (image, system_prompt)))
+    def prepare(self, image: Any, state: FakeState | None = None) -> Any:
+        return image
+
+    def new_session(self, image: Any, system_prompt: str | None = None) -> FakeState:
+        self.calls.append(("new_session", (image, system_prompt)))
         return FakeState(image, system_prompt)
+
+    def start_open(self, state: FakeState) -> FakeTurn:
+        """An open that takes `open_steps` steps (0: computed at once)."""
+        turn = FakeTurn(state, "<open>", GenerationParams(), True, ["<open>"] * self.open_steps)
+        turn.done = not self.open_steps
+        return turn
+
+    def replay(self, state: FakeState, history: list[tuple[str, str]]) -> None:
+        state.history = list(history)
+
+    def out_of_memory(self, exc: BaseException) -> bool:
+        return isinstance(exc, MemoryError)
+
+    def free_memory(self) -> None:
+        self.calls.append(("free_memory", None))
 
     def start_turn(
         self,
@@ -132,6 +151,8 @@ class FakeEngine:
             raise self.step_raises
         errors: dict[int, BaseException] = {}
         for i, turn in enumerate(turns):
+            if turn.done:
+                continue
             if turn.prompt in self.step_errors:
                 errors[i] = self.step_errors[turn.prompt]
                 continue
@@ -147,13 +168,17 @@ class FakeEngine:
         return errors
 
     def finish_turn(self, turn: FakeTurn) -> None:
+        if turn.prompt == "<open>":
+            self.calls.append(("finish_open", turn.state.image))
+            return
         self.calls.append(("finish_turn", turn.prompt))
         if turn.prompt in self.finish_raises:
             raise self.finish_raises[turn.prompt]
         turn.state.history.append((turn.prompt, turn.text))
 
     def abort_turn(self, turn: FakeTurn) -> None:
-        self.calls.append(("abort_turn", turn.prompt))
+        name = "abort_open" if turn.prompt == "<open>" else "abort_turn"
+        self.calls.append((name, turn.prompt))
 
     def release(self, state: FakeState) -> None:
         self.calls.append(("release", state))
@@ -301,7 +326,8 @@ def test_open_replies_with_both_session_headers_and_body(
     sid, expires = match.groups()
     assert expires == iso_utc(clock.wall() + TTL)
     assert body_of(reply) == {"session_id": sid, "expires_at": expires}
-    assert engine.calls == [("open_session", (Picture(DATA_IMAGE), "Be brief."))]
+    image = Picture(DATA_IMAGE)
+    assert engine.calls == [("new_session", (image, "Be brief.")), ("finish_open", image)]
     assert service.store.stats() == {"sessions": 1, "opening": 0, "bytes": 100}
     assert service.in_flight == 0
 
@@ -319,7 +345,8 @@ def test_pending_https_open_is_withheld_until_the_image_arrives(
     reply, _ = run_until_reply(service, client, "r1", open_body(HTTPS_IMAGE), {})
     assert reply.status == 200
     assert NEW_SESSION_HEADER in reply.headers
-    assert engine.calls == [("open_session", (Picture(HTTPS_IMAGE), None))]
+    image = Picture(HTTPS_IMAGE)
+    assert engine.calls == [("new_session", (image, None)), ("finish_open", image)]
     assert service.store.stats() == {"sessions": 1, "opening": 0, "bytes": 100}
 
 
@@ -345,7 +372,7 @@ def test_abandoned_pending_open_frees_its_slot(
     assert service.in_flight == 0
     images.gate.set()
     assert service.step([]) == []
-    assert "open_session" not in engine.names()
+    assert "new_session" not in engine.names()
 
 
 @pytest.mark.parametrize("image", ["bad", "data:image/png;base64,bad", "https://x.example/bad.png"])
@@ -373,7 +400,7 @@ def test_capacity_exceeded_is_429_with_retry_after(
         assert error["code"] == "capacity_exceeded"
         assert error["retry_after_s"] == 30
         assert service.store.stats()["sessions"] == 2
-        assert engine.names().count("open_session") == 2
+        assert engine.names().count("new_session") == 2
     finally:
         service.close()
 
@@ -582,8 +609,17 @@ def test_batch_mixing_good_and_bad_requests_answers_each_on_its_own(
         assert reply.status == status, rid
         assert body_of(reply)["error"]["code"] == code, rid
         assert body_of(reply)["error"].get("field") == field_name, rid
-    assert by_id["good-open"] is not None and by_id["good-open"].status == 200
-    [final] = service.step([client.item("good-query", None, sid_headers(sid))])
+    # The open's image loads on a thread: its reply may come some steps later.
+    later: dict[str, Reply | None] = {"good-query": None, "good-open": by_id["good-open"]}
+    headers = {"good-query": sid_headers(sid), "good-open": {}}
+    for _ in range(500):
+        waiting = [rid for rid, reply in later.items() if reply is None]
+        if not waiting:
+            break
+        replies = service.step([client.item(rid, None, headers[rid]) for rid in waiting])
+        later.update(zip(waiting, replies, strict=True))
+    opened, final = later["good-open"], later["good-query"]
+    assert opened is not None and opened.status == 200
     assert final is not None and body_of(final)["text"] == "alpha beta"
 
 
@@ -731,7 +767,7 @@ def test_an_open_that_fails_after_the_engine_opened_frees_the_state(
     monkeypatch.setattr(service.store, "add", refuse)
     reply = one(service, "o", open_body())
     assert reply is not None and reply.status == 500
-    assert engine.names()[-2:] == ["open_session", "release"]
+    assert engine.names()[-3:] == ["new_session", "finish_open", "release"]
     assert service.store.stats() == {"sessions": 0, "opening": 0, "bytes": 0}
 
 

@@ -1,0 +1,71 @@
+"""What runs in one engine step: the one place that decides, under a token budget.
+
+Every step first advances each answer that is already decoding by one token (a stream never
+waits behind someone else's prefill), then spends what is left of the step's token budget on
+work that starts answers, in order:
+1. follow-up questions (short prefills; a conversation's next answer is what users wait on),
+2. opens and one-shot answers (long prefills: an image's tokens),
+each in arrival order. That work is cut into pieces: the vision tower over a request's new
+images (costed by the tokens it produces, scaled by the tower's size against the language
+model's) and prefill chunks of at most the budget. The oldest waiting piece always gets some of
+the step, so nothing starves; a piece that does not fit waits for the next step, and nothing
+behind it overtakes it. This is chunked prefill as vLLM and SGLang schedule it.
+
+Pure: no torch, so the policy is tested on its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# The share of the budget kept for starting answers however many answers are decoding.
+MIN_PREFILL_SHARE = 4
+
+
+@dataclass(frozen=True)
+class Pending:
+    """What a turn still needs before its first token, as the scheduler sees it."""
+
+    index: int  # the turn's position in the step's list
+    decoding: bool
+    tower_cost: int = 0  # budget units of vision-tower work still to run (0: encoded)
+    prefill: int = 0  # prompt tokens still to prefill
+    follow_up: bool = True  # a question on an open session (not an open or a one-shot answer)
+
+
+@dataclass
+class StepPlan:
+    """The work of one step, by turn position."""
+
+    decode: list[int] = field(default_factory=list)
+    encode: list[int] = field(default_factory=list)
+    prefill: dict[int, int] = field(default_factory=dict)  # position -> tokens in this chunk
+
+    @property
+    def tokens(self) -> int:
+        return len(self.decode) + sum(self.prefill.values())
+
+
+def plan_step(work: list[Pending], budget: int) -> StepPlan:
+    """Choose this step's decodes, tower runs and prefill chunks within `budget` tokens."""
+    plan = StepPlan(decode=[w.index for w in work if w.decoding])
+    left = max(budget - len(plan.decode), budget // MIN_PREFILL_SHARE, 1)
+    waiting = [w for w in work if not w.decoding]
+    waiting.sort(key=lambda w: not w.follow_up)  # stable: arrival order within each class
+    first = True
+    for w in waiting:
+        if w.tower_cost:
+            if w.tower_cost > left and not first:
+                break
+            plan.encode.append(w.index)
+            left -= w.tower_cost
+        elif w.prefill:
+            if left <= 0:
+                break
+            chunk = min(w.prefill, left)
+            plan.prefill[w.index] = chunk
+            left -= chunk
+        first = False
+        if left <= 0:
+            break
+    return plan
