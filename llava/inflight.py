@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any, Generic
 
 from llava.chat_completions import ChatCompletion
-from llava.errors import KitError
 from llava.contract import StateT, TurnT
+from llava.errors import KitError
 from llava.protocol import Generate, OpenSession, Query
 from llava.replies import Replies, Reply, error_reply
 from llava.sessions import Session, Slot
@@ -66,9 +66,7 @@ class Answering(Generic[TurnT]):
             return self.stream_reply(
                 self.replies.last(turn.delta, usage, turn.finish_reason), last=True
             )
-        return Reply(
-            self.replies.whole(turn.text, usage, turn.finish_reason), headers=self.headers
-        )
+        return Reply(self.replies.whole(turn.text, usage, turn.finish_reason), headers=self.headers)
 
     def failed(self, error: KitError) -> Reply:
         """The reply of a failed answer: in-band once the stream has started, else an error."""

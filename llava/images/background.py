@@ -2,9 +2,9 @@
 
 Every reference is loaded on a thread, whatever it is: a URL of any scheme in any spelling (the
 one parser in `refs.py` decides) on the fetch threads, inline bytes (data URI, base64) on their
-own threads, so an image stalled on a slow server never holds up one that is already here. The caller's `prepare`
-(resizing and normalising: the model's processor) runs there too. The step loop only polls the
-returned futures; a load that fails names the `image` field.
+own threads, so an image stalled on a slow server never holds up one that is already here. The
+caller's `prepare` (resizing and normalising: the model's processor) runs there too. The step
+loop only polls the returned futures; a load that fails names the `image` field.
 """
 
 from __future__ import annotations

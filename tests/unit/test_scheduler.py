@@ -1,0 +1,52 @@
+"""The step scheduler's policy on its own: decodes first, then bounded pieces of new work."""
+
+from __future__ import annotations
+
+from llava.engine.scheduler import Pending, plan_step
+
+
+def decoding(i: int) -> Pending:
+    return Pending(i, decoding=True)
+
+
+def test_every_decoding_answer_advances_and_counts_against_the_budget() -> None:
+    work = [decoding(0), decoding(1), Pending(2, False, prefill=1000, follow_up=False)]
+    plan = plan_step(work, budget=64)
+    assert plan.decode == [0, 1]
+    assert plan.prefill == {2: 62}
+    assert plan.tokens == 64
+
+
+def test_long_prefills_are_cut_into_chunks_that_fill_the_budget_in_order() -> None:
+    work = [Pending(0, False, prefill=40, follow_up=False), Pending(1, False, prefill=40)]
+    plan = plan_step(work, budget=50)
+    # The follow-up question (1) goes first, then the open takes what is left.
+    assert plan.prefill == {1: 40, 0: 10}
+
+
+def test_a_tower_run_that_does_not_fit_waits_and_nothing_behind_it_overtakes() -> None:
+    work = [
+        Pending(0, False, prefill=30),
+        Pending(1, False, tower_cost=40, follow_up=False),
+        Pending(2, False, prefill=5, follow_up=False),
+    ]
+    plan = plan_step(work, budget=50)
+    assert plan.prefill == {0: 30}
+    assert plan.encode == []  # 40 > the 20 left: next step
+
+
+def test_the_oldest_piece_always_runs_even_when_larger_than_the_budget() -> None:
+    plan = plan_step([Pending(0, False, tower_cost=500, follow_up=False)], budget=50)
+    assert plan.encode == [0]
+
+
+def test_many_decoders_still_leave_a_share_for_starting_answers() -> None:
+    work = [decoding(i) for i in range(100)] + [Pending(100, False, prefill=500)]
+    plan = plan_step(work, budget=64)
+    assert len(plan.decode) == 100
+    assert plan.prefill == {100: 16}  # a quarter of the budget: opens never starve
+
+
+def test_done_or_empty_work_plans_nothing() -> None:
+    assert plan_step([], budget=8).tokens == 0
+    assert plan_step([Pending(0, False)], budget=8).prefill == {}

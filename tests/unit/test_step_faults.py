@@ -1,0 +1,263 @@
+"""Every piece of a step is bounded and transactional: a failing forward changes no session.
+
+Faults are raised from a middle decoder layer, after the layers before it have written their
+part of the cache (how a CUDA out-of-memory error arrives), during a chunked prefill, a single
+decode and a batched decode. Every session is then compared with the model's own pipeline
+(transformers' `generate`), which is what an undisturbed twin answers.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+from helpers import Reference, make_image
+
+from llava.config import ServerConfig
+from llava.engine import LlavaEngine, Tier
+from llava.engine.memory import TieredMemory
+from llava.protocol import GenerationParams
+from llava.service import Incoming, SessionService
+from llava.sessions import SessionStore
+
+GREEDY = GenerationParams(max_new_tokens=8)
+PROMPTS = ["What is this?", "Which colors do you see?", "Is it big?"]
+BUDGET = 5  # tokens per step: every prefill is cut into chunks, image runs included
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint: Any) -> LlavaEngine:
+    config = ServerConfig(device="cpu", step_token_budget=BUDGET)
+    return LlavaEngine.load(tiny_checkpoint, config)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint: Any) -> Reference:
+    return Reference(tiny_checkpoint)
+
+
+@contextmanager
+def fault(
+    engine: LlavaEngine,
+    when: Callable[[torch.Size], bool],
+    exc: BaseException | None = None,
+    times: int = 1,
+) -> Iterator[list[int]]:
+    """Raise from the middle decoder layer on the next `times` forwards whose hidden states'
+    shape matches `when`; yield a list that records each shape it fired on."""
+    layers = engine.replicas[0].model.model.language_model.layers
+    fired: list[Any] = []
+
+    def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        hidden = args[0] if args else kwargs["hidden_states"]
+        if len(fired) < times and when(hidden.shape):
+            fired.append(tuple(hidden.shape))
+            raise exc if exc is not None else RuntimeError("injected fault")
+
+    handle = layers[len(layers) // 2].register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield fired
+    finally:
+        handle.remove()
+
+
+def prefill(shape: torch.Size) -> bool:
+    return shape[0] == 1 and shape[1] > 1
+
+
+def single_decode(shape: torch.Size) -> bool:
+    return shape[0] == 1 and shape[1] == 1
+
+
+def batched_decode(shape: torch.Size) -> bool:
+    return shape[0] > 1
+
+
+def consistent(state: Any) -> bool:
+    """Every layer of the session's cache holds exactly its cached ids."""
+    return all(layer.get_seq_length() == len(state.cache_ids) for layer in state.cache.layers)
+
+
+def step_until_error(engine: LlavaEngine, turns: list[Any]) -> dict[int, BaseException]:
+    for _ in range(500):
+        errors = engine.step(turns)
+        if errors or all(t.done for t in turns):
+            return errors
+    raise AssertionError("the turns never finished")
+
+
+def ask(engine: LlavaEngine, state: Any, prompt: str) -> str:
+    return engine.run_to_end(engine.start_turn(state, prompt, GREEDY)).text
+
+
+def test_chunked_prefill_answers_as_the_models_own_pipeline(engine, reference) -> None:
+    image = make_image(1)
+    state = engine.new_session(engine.prepare(image))
+    opening = engine.start_open(state)
+    steps = 0
+    while not opening.done:
+        assert not engine.step([opening])
+        steps += 1
+    engine.finish_turn(opening)
+    assert steps >= len(opening.ids) // BUDGET  # the vision tower, then 5-token chunks
+    assert [ask(engine, state, p) for p in PROMPTS] == reference.answers(image, PROMPTS, 8)
+
+
+def test_a_fault_in_a_prefill_chunk_leaves_the_session_as_before(engine, reference) -> None:
+    image = make_image(2)
+    state = engine.open_session(image)
+    first = ask(engine, state, PROMPTS[0])
+    turn = engine.start_turn(state, PROMPTS[1], GREEDY)
+    before = list(state.cache_ids)  # what the new question shares with the cache
+    assert not engine.step([turn])  # one chunk in: the fault hits a later one
+    with fault(engine, prefill) as fired:
+        errors = step_until_error(engine, [turn])
+    assert fired and list(errors) == [0]
+    engine.abort_turn(turn)
+    assert state.cache_ids == before and consistent(state)
+    rest = [ask(engine, state, p) for p in PROMPTS[1:]]
+    assert [first, *rest] == reference.answers(image, PROMPTS, 8)
+
+
+def test_a_fault_while_opening_frees_the_state_and_the_next_open_works(engine, reference) -> None:
+    image = make_image(3)
+    sessions = engine.replicas[0].sessions
+    with fault(engine, prefill) as fired, pytest.raises(RuntimeError, match="injected"):
+        engine.open_session(image)
+    assert fired and engine.replicas[0].sessions == sessions
+    state = engine.open_session(image)
+    assert [ask(engine, state, p) for p in PROMPTS] == reference.answers(image, PROMPTS, 8)
+
+
+def test_a_fault_in_a_single_decode_step_leaves_the_session_as_before(engine, reference) -> None:
+    image = make_image(4)
+    state = engine.open_session(image)
+    turn = engine.start_turn(state, PROMPTS[0], GREEDY)
+    before = list(state.cache_ids)
+    while turn.prefilling or len(turn.generated) < 3:  # fail in the middle of the answer
+        assert not engine.step([turn])
+    with fault(engine, single_decode) as fired:
+        errors = step_until_error(engine, [turn])
+    assert fired and list(errors) == [0]
+    engine.abort_turn(turn)
+    assert state.cache_ids == before and consistent(state)
+    assert [ask(engine, state, p) for p in PROMPTS] == reference.answers(image, PROMPTS, 8)
+
+
+LONG = GenerationParams(max_new_tokens=40)  # the first answers still decode when the last starts
+
+
+def batch_of_three(engine: LlavaEngine) -> tuple[list[Any], list[Any], list[Any]]:
+    """Three sessions whose second answers are all decoding, in one batch."""
+    images = [make_image(20 + i) for i in range(3)]
+    states = [engine.open_session(image) for image in images]
+    for state in states:
+        ask(engine, state, PROMPTS[0])
+    turns = [engine.start_turn(s, PROMPTS[1 + i % 2], LONG) for i, s in enumerate(states)]
+    while any(t.prefilling for t in turns):  # prefills are chunked, one after another
+        assert not engine.step(turns)
+    assert not any(t.done for t in turns)
+    return images, states, turns
+
+
+def expected(reference: Reference, image: Any, i: int) -> list[str]:
+    [first] = reference.answers(image, PROMPTS[:1], 8)
+    messages = reference.messages(None, [(PROMPTS[0], first)], PROMPTS[1 + i % 2])
+    return [first, reference.answer([image], messages, 40)]
+
+
+def test_a_fault_in_a_batched_decode_changes_no_answer_in_the_batch(engine, reference) -> None:
+    images, states, turns = batch_of_three(engine)
+    with fault(engine, batched_decode) as fired:
+        errors = step_until_error(engine, turns)  # the batch is retried one answer at a time
+    assert fired and not errors
+    while not all(t.done for t in turns):
+        assert not engine.step(turns)
+    for i, (image, state, turn) in enumerate(zip(images, states, turns, strict=True)):
+        engine.finish_turn(turn)
+        assert consistent(state)
+        assert [state.history[0].answer, turn.text] == expected(reference, image, i)
+
+
+def test_a_batched_fault_that_persists_fails_one_answer_and_no_other(engine, reference) -> None:
+    images, states, turns = batch_of_three(engine)
+    # The batched forward fails, then so does the first answer's retry on its own.
+    with fault(engine, lambda shape: shape[1] == 1, times=2) as fired:
+        errors = step_until_error(engine, turns)
+    assert len(fired) == 2 and list(errors) == [0]
+    engine.abort_turn(turns[0])
+    assert consistent(states[0]) and len(states[0].history) == 1
+    while not all(t.done for t in turns[1:]):
+        assert not engine.step(turns[1:])
+    for i in (1, 2):
+        engine.finish_turn(turns[i])
+        assert [states[i].history[0].answer, turns[i].text] == expected(reference, images[i], i)
+    again = engine.run_to_end(engine.start_turn(states[0], PROMPTS[1], LONG)).text
+    assert [states[0].history[0].answer, again] == expected(reference, images[0], 0)
+
+
+# -- out of memory, through the service -----------------------------------------------------
+
+
+class SeededImages:
+    """`https://images.test/<seed>` loads make_image(seed) (on the fetch threads)."""
+
+    def load(self, ref: str) -> Any:
+        return make_image(int(ref.rsplit("/", 1)[1]))
+
+
+def serve(engine: LlavaEngine, rows: list[tuple[str, dict[str, Any], dict[str, str]]], svc):
+    """Step the service until every row has its whole reply; return the bodies by request id."""
+    bodies: dict[str, Any] = {}
+    sent: set[str] = set()
+    for _ in range(2000):
+        waiting = [row for row in rows if row[0] not in bodies]
+        if not waiting:
+            return bodies
+        batch = [
+            Incoming(rid, None if rid in sent else json.dumps(body).encode(), headers)
+            for rid, body, headers in waiting
+        ]
+        sent.update(rid for rid, _, _ in waiting)
+        for (rid, _, _), reply in zip(waiting, svc.step(batch), strict=True):
+            if reply is not None:
+                bodies[rid] = (reply.status, json.loads(reply.body))
+    raise AssertionError("the service never answered")
+
+
+def test_out_of_memory_frees_idle_sessions_and_retries_once(engine, reference) -> None:
+    memory = TieredMemory(engine, None, None)
+    store = SessionStore(memory=memory, release=lambda s, r: engine.release(s.state))
+    service = SessionService(engine, store, SeededImages(), limits=engine.config.limits)
+    try:
+        opens = [
+            (f"o{i}", {"type": "open_session", "image": f"https://images.test/{30 + i}"}, {})
+            for i in range(3)
+        ]
+        sids = [body["session_id"] for _, body in serve(engine, opens, service).values()]
+        asked = {"type": "query", "prompt": PROMPTS[0], "max_new_tokens": 8}
+        header = {"X-Amzn-SageMaker-Session-Id": sids[0]}
+        oom = torch.OutOfMemoryError("CUDA out of memory (injected)")
+        with fault(engine, single_decode, oom) as fired:
+            status, body = serve(engine, [("q", asked, header)], service)["q"]
+        assert len(fired) == 1 and status == 200
+        assert body["text"] == reference.answers(make_image(30), PROMPTS[:1], 8)[0]
+        idle = [store.get(sid).state.tier for sid in sids[1:]]
+        assert idle == [Tier.HOST, Tier.HOST]  # moved off the device to make room
+
+        with fault(engine, single_decode, oom, times=5) as fired:  # the retry runs out too
+            status, body = serve(engine, [("q2", asked | {"prompt": PROMPTS[1]}, header)], service)[
+                "q2"
+            ]
+        assert len(fired) == 2 and status == 503
+        assert body["error"]["code"] == "out_of_device_memory"
+        status, body = serve(engine, [("q3", asked | {"prompt": PROMPTS[1]}, header)], service)[
+            "q3"
+        ]
+        assert body["text"] == reference.answers(make_image(30), PROMPTS[:2], 8)[1]
+    finally:
+        service.close()
