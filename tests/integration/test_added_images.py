@@ -26,7 +26,8 @@ TOKENS = 10
 def served(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[TorchServe, Reference]]:
-    with serving_profile(request.param, tmp_path_factory) as (server, reference):
+    chunked = {"LLAVA_STEP_TOKEN_BUDGET": "11"}  # added images' prefills in chunks too
+    with serving_profile(request.param, tmp_path_factory, **chunked) as (server, reference):
         yield server, reference
         assert_no_worker_death(server)
 

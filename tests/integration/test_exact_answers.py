@@ -35,8 +35,11 @@ def served(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[TorchServe, Reference]]:
     """A TorchServe serving one profile, and the oracle on the same checkpoint."""
-    budget = {"LLAVA_DEVICE_BUDGET_MB": "0.04"}  # a few sessions' caches
-    with serving_profile(request.param, tmp_path_factory, **budget) as served:
+    env = {
+        "LLAVA_DEVICE_BUDGET_MB": "0.04",  # a few sessions' caches
+        "LLAVA_STEP_TOKEN_BUDGET": "7",  # every prefill in chunks, cut inside image runs
+    }
+    with serving_profile(request.param, tmp_path_factory, **env) as served:
         yield served
 
 
