@@ -26,26 +26,21 @@ from typing import Any, Generic
 from llava.chat_completions import (
     ChatCompletion,
     OpenAIReplies,
-    chat_info,
     check_same_chat,
-    image_key,
 )
 from llava.contract import Engine, StateT, TurnT
 from llava.errors import KitError, OutOfDeviceMemory
 from llava.images.background import BackgroundImages, ImageSource
 from llava.inflight import Answering, Fetching, Opening
+from llava.opening import SessionOpener
 from llava.protocol import (
     CLOSED_SESSION_HEADER,
     NEW_SESSION,
-    NEW_SESSION_HEADER,
-    SESSION_HEADER,
     CloseSession,
     Generate,
     Limits,
     OpenSession,
     Query,
-    expires_header,
-    iso_utc,
     parse_request,
 )
 from llava.replies import (
@@ -56,7 +51,7 @@ from llava.replies import (
     error_reply,
     internal_error,
 )
-from llava.sessions import LOST, Session, SessionStore, Slot
+from llava.sessions import LOST, Session, SessionStore
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +86,7 @@ class SessionService(Generic[StateT, TurnT]):
         self.images = images
         self.limits = limits
         self._images = BackgroundImages(images, fetch_threads)
+        self.opener: SessionOpener[StateT, TurnT] = SessionOpener(engine, store, self._images)
         self._work: dict[str, Fetching | Opening[StateT, TurnT] | Answering[TurnT]] = {}
 
     def close(self) -> None:
@@ -140,7 +136,7 @@ class SessionService(Generic[StateT, TurnT]):
             self._work[item.request_id] = Fetching(request, image)
             return None
         if isinstance(request, OpenSession):
-            self._reserve_and_fetch(item.request_id, request, None)
+            self._work[item.request_id] = self.opener.fetch(request, None)
             return None
         if isinstance(request, Query):
             session = self.store.begin_turn(request.session_id)
@@ -187,7 +183,7 @@ class SessionService(Generic[StateT, TurnT]):
             self._work[request_id] = Fetching(generate, image, replies=replies)
             return
         if request.session == NEW_SESSION:
-            self._reserve_and_fetch(request_id, request, replies)
+            self._work[request_id] = self.opener.fetch(request, replies)
             return
         session = self.store.begin_turn(request.session)
         try:
@@ -196,23 +192,6 @@ class SessionService(Generic[StateT, TurnT]):
         except BaseException:
             self.store.end_turn(session)
             raise
-
-    def _reserve_and_fetch(
-        self, request_id: str, request: OpenSession | ChatCompletion, replies: Replies | None
-    ) -> None:
-        """Hold a session slot for an open while its image loads (freed if it cannot start)."""
-        slot = self.store.reserve()
-        ref = request.image
-
-        def prepare(decoded: Any) -> tuple[Any, str]:  # on the image threads, with the hash
-            return self.engine.prepare(decoded), image_key(ref)
-
-        try:
-            image = self._images.submit(ref, prepare)
-        except BaseException:
-            self.store.cancel(slot)
-            raise
-        self._work[request_id] = Fetching(request, image, slot, replies=replies)
 
     def _start_query(
         self,
@@ -253,61 +232,18 @@ class SessionService(Generic[StateT, TurnT]):
                 self.store.end_turn(session)
                 return error_reply(as_kit_error(exc))
             return None
-        return self._begin_open(request_id, request, work)
-
-    def _begin_open(
-        self, request_id: str, request: OpenSession | ChatCompletion, work: Fetching
-    ) -> Reply | None:
-        """Make the new session's state; its image and prefix are computed in later steps."""
-        assert work.slot is not None  # an open always holds a slot
-        state: StateT | None = None
-        try:
-            prepared, key = work.image.result()
-            state = self.engine.new_session(prepared, request.system_prompt)
-            turn = self.engine.start_open(state)
-        except BaseException as exc:
-            self._cancel_open(work.slot, state)
-            return error_reply(as_kit_error(exc))
-        info = chat_info(key, request.system_prompt)
-        self._work[request_id] = Opening(request, work.slot, state, turn, info, work.replies)
+        opening = self.opener.begin(work)
+        if isinstance(opening, Reply):
+            return opening
+        self._work[request_id] = opening
         return None
-
-    def _cancel_open(self, slot: Slot, state: StateT | None) -> None:
-        """Free an open's slot and whatever engine state it had (or its memory leaks)."""
-        self.store.cancel(slot)
-        if state is not None:
-            try:
-                self.engine.release(state)
-            except Exception as exc:
-                internal_error(exc)
-
-    def _opened(self, request_id: str, work: Opening[StateT, TurnT]) -> Reply | None:
-        """Store a session whose opening is computed; reply with its id (or answer a chat)."""
-        del self._work[request_id]
-        try:
-            self.engine.finish_turn(work.turn)
-            session = self.store.add(work.slot, work.state, work.state.nbytes, **work.info)
-        except BaseException as exc:
-            self._cancel_open(work.slot, work.state)
-            return error_reply(as_kit_error(exc))
-        if isinstance(work.request, ChatCompletion):
-            return self._answer_new_chat(request_id, work.request, session, work.replies)
-        expires = self.store.expires_at(session)
-        return Reply(
-            _json({"session_id": session.id, "expires_at": iso_utc(expires)}),
-            headers=self._new_session_headers(session),
-        )
-
-    def _new_session_headers(self, session: Session) -> dict[str, str]:
-        value = expires_header(session.id, self.store.expires_at(session))
-        return {NEW_SESSION_HEADER: value, SESSION_HEADER: value}
 
     def _answer_new_chat(
         self, request_id: str, request: ChatCompletion, opened: Session, replies: Replies | None
     ) -> Reply | None:
         """Answer a chat completion sent with NEW_SESSION in the session just opened for it."""
         session = self.store.begin_turn(opened.id)
-        headers = self._new_session_headers(opened)
+        headers = self.opener.headers(opened)
         try:
             self._start_query(request_id, request, session, replies=replies, headers=headers)
         except BaseException as exc:  # the client never learns the id: close the session
@@ -391,17 +327,19 @@ class SessionService(Generic[StateT, TurnT]):
     def _advance_open(
         self, request_id: str, work: Opening[StateT, TurnT], error: BaseException | None
     ) -> Reply | None:
+        """Store an open whose turn is done (answering a chat's first question), or drop it."""
+        if error is None and not work.turn.done:
+            return None
+        del self._work[request_id]
         if error is not None:
-            del self._work[request_id]
-            self._abort_open(work)
+            self.opener.abort(work)
             return error_reply(as_kit_error(error))
-        return self._opened(request_id, work) if work.turn.done else None
-
-    def _abort_open(self, work: Opening[StateT, TurnT]) -> None:
-        try:
-            self.engine.abort_turn(work.turn)
-        finally:
-            self._cancel_open(work.slot, work.state)
+        session = self.opener.finish(work)
+        if isinstance(session, Reply):
+            return session
+        if isinstance(work.request, ChatCompletion):
+            return self._answer_new_chat(request_id, work.request, session, work.replies)
+        return self.opener.opened_reply(session)
 
     def _finish_answer(self, request_id: str, work: Answering) -> Reply:
         del self._work[request_id]
@@ -441,7 +379,7 @@ class SessionService(Generic[StateT, TurnT]):
                 self._drop_answer(request_id, work)
             elif isinstance(work, Opening):
                 del self._work[request_id]
-                self._abort_open(work)
+                self.opener.abort(work)
             elif isinstance(work, Fetching):
                 del self._work[request_id]
                 work.image.cancel()
