@@ -33,12 +33,13 @@ import torch
 from transformers import DynamicCache
 
 from llava.config import ServerConfig
-from llava.engine.batch import DecodeBatch
-from llava.engine.cache import assign, crop_to, move_cache, new_cache
+from llava.engine import tiers
+from llava.engine.cache import crop_to, new_cache
 from llava.engine.chat import ChatFormatter, Exchange, common_prefix
+from llava.engine.decoding import Decoder
 from llava.engine.imageset import EMPTY, ImageEncoder, ImageSet, PreparedImages
-from llava.engine.loading import HOST, load_model, load_processor, resolve_devices
-from llava.engine.sampling import Detokenizer, make_generator, next_token, visible_text
+from llava.engine.loading import load_model, load_processor, resolve_devices
+from llava.engine.sampling import Detokenizer, make_generator, next_token
 from llava.engine.scheduler import Pending, plan_step
 from llava.engine.selfcheck import self_check
 from llava.engine.state import Replica, SessionState, Tier, Turn
@@ -61,12 +62,13 @@ class LlavaEngine:
         self.image_token_id = image_token_id(model)
         text_config = model.config.get_text_config()
         family = check_model_type(model.config.model_type, "the loaded model")
-        self.multi_image = family.multi_image(text_config.model_type)
         self.images = ImageEncoder(
             processor,
             self.image_token_id,
             keep_pixels=config.cache_mode != "kv",
             joint=family.joint_images,
+            multi_image=family.multi_image(text_config.model_type),
+            max_images=config.max_images_per_session,
         )
         self.max_context = config.max_context_tokens or text_config.max_position_embeddings
         self.num_layers = text_config.num_hidden_layers
@@ -74,7 +76,7 @@ class LlavaEngine:
         if eos is None:
             eos = self.tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
-        self._batches: dict[int, DecodeBatch] = {}  # replica index -> stacked decode batch
+        self.decoder = Decoder(replicas, self.forward, self.eos_ids)
         self.tower_ratio = tower_ratio(model)
 
     @classmethod
@@ -159,32 +161,13 @@ class LlavaEngine:
         state.cache, state.cache_ids = None, []
         state.images = EMPTY
 
-    @torch.inference_mode()  # the caches are inference tensors: edit them in this mode
     def offload(self, state: SessionState) -> int:
         """Move a session's cache to host memory; return the device bytes freed."""
-        if state.tier is not Tier.DEVICE or state.cache is None:
-            return 0
-        freed = state.device_bytes
-        pin = state.replica.device.type == "cuda"
-        move_cache(state.cache, HOST, pin=pin)
-        state.tier = Tier.HOST
-        return freed
+        return tiers.offload(state)
 
     def drop_cache(self, state: SessionState) -> int:
         """Keep only the image features of a session; return the bytes freed."""
-        freed = state.cache_bytes
-        state.cache, state.cache_ids, state.tier = None, [], Tier.FEATURES
-        return freed
-
-    def _restore(self, state: SessionState) -> Tier:
-        """Bring a session's cache back to its device (or empty, to be recomputed)."""
-        found = state.tier
-        if state.tier is Tier.HOST and state.cache is not None:
-            move_cache(state.cache, state.replica.device)
-        elif state.cache is None and self.keeps_kv:
-            state.cache, state.cache_ids = new_cache(self.num_layers), []
-        state.tier = Tier.DEVICE
-        return found
+        return tiers.drop_cache(state)
 
     # -- turns -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -214,7 +197,11 @@ class LlavaEngine:
                 f"prompt is {prompt_tokens} tokens, the limit is {self.config.max_prompt_tokens}",
                 field="prompt",
             )
-        images, reencoded = self._turn_images(state, image, history and conversation is None)
+        if image is not None and not isinstance(image, PreparedImages):  # in-process callers
+            image = self.prepare(image, state)
+        images, reencoded = self.images.for_turn(
+            state.images, image, history and conversation is None
+        )
         added = 0 if image is None else 1
         past = state.history if history else []
         if conversation is not None:
@@ -248,7 +235,7 @@ class LlavaEngine:
         history: bool = True,
     ) -> Turn:
         """Bring the session's cache back, keep its first `common` ids and plan the rest."""
-        found = self._restore(state)
+        found = tiers.restore(state, self.num_layers, keeps_kv=self.keeps_kv)
         # At least the last id is fed again: its logits give the first answer token.
         if not self.keeps_kv:
             cache = new_cache(self.num_layers)
@@ -257,7 +244,7 @@ class LlavaEngine:
             crop_to(cache, common)  # drop what re-tokenization no longer matches
             state.cache_ids = state.cache_ids[:common]
         else:
-            cache = self._prefix_copy(state.cache, common)
+            cache = tiers.prefix_copy(state.cache, common, self.num_layers)
         tower = self.images.pending_tokens(images)
         if images.processed is not None:  # pixels mode: the tower runs for every answer
             tower = images.processed.total
@@ -306,7 +293,7 @@ class LlavaEngine:
             turn = turns[i]
             decoding.setdefault(self.replicas.index(turn.state.replica), []).append((i, turn))
         for replica_idx, group in decoding.items():
-            errors.update(self._decode(replica_idx, group))
+            errors.update(self.decoder.decode(replica_idx, group))
         return errors
 
     def _pending(self, index: int, turn: Turn) -> Pending:
@@ -318,31 +305,6 @@ class LlavaEngine:
             prefill=len(turn.pending),
             follow_up=turn.start_len > 0,
         )
-
-    def _turn_images(self, state: SessionState, image: Any, history: bool) -> tuple[ImageSet, bool]:
-        """Return the images of a turn's conversation, and whether the cached ones changed."""
-        if image is None:
-            if history:
-                return state.images, False
-            return self.images.first_alone(state.images)
-        if not self.multi_image:
-            raise InvalidRequest(
-                "this model was trained on one image per conversation; open a new session to "
-                "ask about another image (LLaVA-OneVision and LLaVA-Interleave take several)",
-                field="image",
-            )
-        if not history or not self.keeps_kv:
-            why = '"history": false' if not history else 'cache_mode "pixels"'
-            raise InvalidRequest(f"an image cannot be added with {why}", field="image")
-        if len(state.images.tokens) >= self.config.max_images_per_session:
-            raise InvalidRequest(
-                f"the session holds {self.config.max_images_per_session} images, the limit "
-                "(max_images_per_session); open a new session",
-                field="image",
-            )
-        if not isinstance(image, PreparedImages):  # in-process callers may pass a decoded image
-            image = self.prepare(image, state)
-        return self.images.add(state.images, image)
 
     def _encode(self, turn: Turn) -> None:
         """Run the vision tower over the turn's new images (all of them, in pixels mode)."""
@@ -373,7 +335,7 @@ class LlavaEngine:
         if token is None:  # an open: its prefix is cached, nothing to generate
             turn.done, turn.finished_at = True, turn.first_token_at
             return
-        self._accept(turn, token)
+        self.decoder.accept(turn, token)
 
     def forward(
         self,
@@ -398,81 +360,10 @@ class LlavaEngine:
             raise
         return out.logits[0, -1]
 
-    def _decode(self, replica_idx: int, group: list[tuple[int, Turn]]) -> dict[int, Exception]:
-        turns = [t for _, t in group]
-        model = self.replicas[replica_idx].model
-        batch = self._batches.get(replica_idx)
-        if batch is not None and not batch.same_members(turns):
-            self._split(replica_idx)
-            batch = None
-        if len(turns) == 1:
-            return self._decode_alone(group)
-        try:
-            if batch is None:
-                batch = self._batches[replica_idx] = DecodeBatch(turns)
-            logits = batch.forward(model)
-        except Exception:  # the shared forward failed: retry alone, so only the culprit fails
-            self._split(replica_idx)
-            return self._decode_alone(group)
-        for row, turn in enumerate(turns):
-            turn.fed = turn.fed + turn.pending
-            self._accept(turn, next_token(logits[row], turn.params, turn.generator))
-        return {}
-
-    def _decode_alone(self, group: list[tuple[int, Turn]]) -> dict[int, Exception]:
-        errors: dict[int, Exception] = {}
-        for i, turn in group:
-            try:
-                logits = self.forward(turn.state.replica, turn.cache, turn.pending, None, 0)
-                turn.fed = turn.fed + turn.pending
-                self._accept(turn, next_token(logits, turn.params, turn.generator))
-            except Exception as exc:
-                errors[i] = exc
-        return errors
-
-    def _accept(self, turn: Turn, token: int) -> None:
-        """Record one sampled token: end the answer, or emit its text and feed it next."""
-        turn.delta = ""
-        if token in self.eos_ids:
-            self._finish(turn, "stop")
-            return
-        turn.generated.append(token)
-        turn.detokenizer.add(token)
-        turn.pending = [token]
-        if self._show(turn, final=False):
-            self._finish(turn, "stop")
-        elif len(turn.generated) >= turn.max_new_tokens:
-            self._finish(turn, "length")
-
-    def _show(self, turn: Turn, *, final: bool) -> bool:
-        """Extend the answer's shown text; return True if it reached a stop string."""
-        shown, stopped = visible_text(turn.detokenizer.text, turn.params.stop, final=final)
-        turn.delta += shown[len(turn.text) :]
-        turn.text = shown
-        return stopped
-
-    def _finish(self, turn: Turn, reason: str) -> None:
-        turn.detokenizer.flush()
-        if self._show(turn, final=True):  # the text held back at the end completed a stop
-            reason = "stop"
-        turn.done, turn.finish_reason = True, reason
-        turn.finished_at = time.perf_counter()
-
-    def _split(self, replica_idx: int) -> None:
-        batch = self._batches.pop(replica_idx, None)
-        if batch is not None:
-            batch.unstack()
-
-    def _detach(self, turn: Turn) -> None:
-        """Make sure a turn's own cache is current (it may live in a stacked batch)."""
-        for replica_idx, batch in list(self._batches.items()):
-            if any(t is turn for t in batch.turns):
-                self._split(replica_idx)
-
     @torch.inference_mode()
     def finish_turn(self, turn: Turn) -> None:
         """Commit a finished answer to the session's main line (branches leave no trace)."""
-        self._detach(turn)
+        self.decoder.detach(turn)
         if turn.branch:
             return
         state = turn.state
@@ -487,7 +378,7 @@ class LlavaEngine:
     @torch.inference_mode()
     def abort_turn(self, turn: Turn) -> None:
         """Drop an unfinished answer and roll the session's cache back to before it."""
-        self._detach(turn)
+        self.decoder.detach(turn)
         if turn.branch or turn.cache is not turn.state.cache:
             return
         crop_to(turn.cache, turn.start_len)
@@ -501,22 +392,13 @@ class LlavaEngine:
     @torch.inference_mode()
     def free_memory(self) -> None:
         """Unstack the decode batches and hand the allocator's cached blocks back."""
-        for replica_idx in list(self._batches):
-            self._split(replica_idx)
+        self.decoder.split_all()
         if any(r.device.type == "cuda" for r in self.replicas):
             torch.cuda.empty_cache()
 
     def self_check(self) -> None:
         """Prove at start that this transformers takes what the engine passes (see selfcheck)."""
         self_check(self)
-
-    def _prefix_copy(self, cache: DynamicCache | None, length: int) -> DynamicCache:
-        """Return a new cache holding the first `length` positions of `cache` (shares nothing)."""
-        branch = new_cache(self.num_layers)
-        if cache is not None and length and cache.get_seq_length() >= length:
-            for own, layer in zip(branch.layers, cache.layers, strict=True):
-                assign(own, layer.keys[..., :length, :], layer.values[..., :length, :])
-        return branch
 
     def _refuse_placeholder(self, text: str | None, field: str) -> None:
         if text and self.chat.image_token in text:

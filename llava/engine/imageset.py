@@ -27,6 +27,7 @@ import torch
 
 from llava.engine.loading import HOST
 from llava.engine.vision import ProcessedImages, image_features, process_images
+from llava.errors import InvalidRequest
 
 
 @dataclass(eq=False)
@@ -73,11 +74,22 @@ EMPTY = ImageSet([], None)
 class ImageEncoder:
     """Encode a conversation's images the way its family does, for kv or pixels mode."""
 
-    def __init__(self, processor: Any, token_id: int, *, keep_pixels: bool, joint: bool) -> None:
+    def __init__(
+        self,
+        processor: Any,
+        token_id: int,
+        *,
+        keep_pixels: bool,
+        joint: bool,
+        multi_image: bool = False,
+        max_images: int = 1,
+    ) -> None:
         self.processor = processor
         self.token_id = token_id
         self.keep_pixels = keep_pixels  # the reference design: re-run the tower every prefill
         self.joint = joint  # several images are encoded together, differently from one
+        self.multi_image = multi_image  # the model was trained on several images a conversation
+        self.max_images = max_images
         # One processor per image thread: a fast tokenizer must not be used by two threads at
         # once ("Already borrowed"), and the step loop tokenizes with the original.
         self._local = threading.local()
@@ -105,6 +117,30 @@ class ImageEncoder:
             inputs = {k: v.to(device) for k, v in processed.inputs.items()}
             return ImageSet(processed.tokens, None, replace(processed, inputs=inputs))
         return ImageSet(processed.tokens, None, None, prepared.sources, pending=processed)
+
+    def for_turn(
+        self, current: ImageSet, image: PreparedImages | None, history: bool
+    ) -> tuple[ImageSet, bool]:
+        """Return the images of a turn's conversation, and whether the cached ones changed;
+        refuse an added image the model or the session cannot take."""
+        if image is None:
+            return (current, False) if history else self.first_alone(current)
+        if not self.multi_image:
+            raise InvalidRequest(
+                "this model was trained on one image per conversation; open a new session to "
+                "ask about another image (LLaVA-OneVision and LLaVA-Interleave take several)",
+                field="image",
+            )
+        if not history or self.keep_pixels:
+            why = '"history": false' if not history else 'cache_mode "pixels"'
+            raise InvalidRequest(f"an image cannot be added with {why}", field="image")
+        if len(current.tokens) >= self.max_images:
+            raise InvalidRequest(
+                f"the session holds {self.max_images} images, the limit "
+                "(max_images_per_session); open a new session",
+                field="image",
+            )
+        return self.add(current, image)
 
     def add(self, current: ImageSet, prepared: PreparedImages) -> tuple[ImageSet, bool]:
         """Return the set with one more image, and whether the earlier images' features change.

@@ -57,7 +57,7 @@ def test_batched_decode_across_different_image_token_counts(family):
     batched = 0
     while not all(t.done for t in turns):
         assert not engine.step(turns)
-        batched += bool(engine._batches)  # the decoding turns shared one stacked forward
+        batched += engine.decoder.stacked  # the decoding turns shared one stacked forward
     for turn in turns:
         engine.finish_turn(turn)
     assert batched > 0
@@ -83,7 +83,7 @@ def test_images_added_mid_conversation(family):
     profile, engine, reference = family
     opening, second, third = (make_image(70 + i, size) for i, size in enumerate(SIZES))
     state = engine.open_session(opening)
-    if not engine.multi_image:
+    if not engine.images.multi_image:
         answer(engine, state, PROMPTS[0])
         with pytest.raises(InvalidRequest, match="one image per conversation") as info:
             engine.start_turn(state, PROMPTS[1], GREEDY, image=second)
@@ -117,7 +117,7 @@ def test_images_added_mid_conversation(family):
 
 def test_an_aborted_turn_leaves_its_added_image_out(family):
     _, engine, reference = family
-    if not engine.multi_image:
+    if not engine.images.multi_image:
         pytest.skip("single-image family")
     opening, second = make_image(80, SIZES[0]), make_image(81, SIZES[2])
     state = engine.open_session(opening)
