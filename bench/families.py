@@ -17,6 +17,7 @@ from pathlib import Path
 from transformers import LlavaNextImageProcessorPil, LlavaNextProcessor, LlavaOnevisionProcessor
 from transformers import LlavaOnevisionImageProcessorPil as OnevisionImages
 
+from llava.engine.budget import GIB, device_budget
 from llava.tiny.tokenizers import train_qwen_tokenizer
 
 # (height, width) of the images the table is computed for.
@@ -108,8 +109,45 @@ def table() -> str:
     return "\n".join(lines) + "\n"
 
 
+# Memory torch reports on each card (mem_get_info's total), and what the CUDA context and
+# cuBLAS workspaces take before the weights load.
+GPUS = {"A10G 24 GB": 22.49, "L4 24 GB": 22.49, "A100 40 GB": 39.39, "A100 80 GB": 79.15}
+CUDA_CONTEXT_GIB = 0.6
+# Parameters (billions) of the 7B checkpoints, bf16 weights.
+SIZED = {
+    "llava-hf/llava-1.5-7b-hf": 7.06,
+    "llava-hf/llava-v1.6-mistral-7b-hf": 7.57,
+    "llava-hf/llava-onevision-qwen2-7b-ov-hf": 8.03,
+}
+TURN_TOKENS = 125  # a question with its template (~25) and a 100-token answer
+
+
+def gpu_table() -> str:
+    """Sessions held on the device under the derived budget (engine/budget.py), per GPU."""
+    gpus = " | ".join(GPUS)
+    lines = [
+        f"| checkpoint, 1024x768 image | {gpus} |",
+        "|---|" + "---:|" * len(GPUS),
+    ]
+    for checkpoint in CHECKPOINTS:
+        if checkpoint.repo not in SIZED:
+            continue
+        weights = SIZED[checkpoint.repo] * 1e9 * 2 / GIB
+        opening = image_tokens(checkpoint, 768, 1024) + 40
+        after = opening + 4 * TURN_TOKENS
+        cells = []
+        for total in GPUS.values():
+            budget = device_budget(int((total - weights - CUDA_CONTEXT_GIB) * GIB))
+            per_open = opening * checkpoint.kv_bytes_per_token
+            per_chat = after * checkpoint.kv_bytes_per_token
+            sessions = f"{budget // per_open} open / {budget // per_chat} at 4 turns"
+            cells.append(f"{budget / GIB:.1f} GiB: {sessions}")
+        lines.append(f"| `{checkpoint.repo}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
-    text = table()
+    text = table() + "\n" + gpu_table()
     print(text)
     out = Path(__file__).parent / "results" / "families.md"
     out.parent.mkdir(exist_ok=True)

@@ -18,7 +18,13 @@ from llava.protocol import Limits
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 # Numeric settings where 0 means "unset"; every other number must be positive.
-_ZERO_ALLOWED = {"max_replicas", "device_budget_mb", "host_budget_mb", "max_context_tokens"}
+_ZERO_ALLOWED = {
+    "max_replicas",
+    "device_budget_mb",
+    "host_budget_mb",
+    "max_context_tokens",
+    "step_token_budget",
+}
 CACHE_MODES = ("kv", "pixels")
 ENV_PREFIX = "LLAVA_"
 
@@ -35,15 +41,17 @@ class ServerConfig:
     # Sessions
     session_ttl_s: float = 1200.0
     max_sessions: int = 64
-    # Memory tiers (0 = no budget): past the device budget the least recently used sessions'
-    # caches move to host memory; past the host budget they keep only their image features
-    # (recomputed on their next turn); past that they are evicted.
+    # Memory tiers (0 = derived at start from the free memory: see engine/budget.py): past the
+    # device budget the least recently used sessions' caches move to host memory; past the host
+    # budget they keep only their image features (recomputed on their next turn); past that
+    # they are evicted.
     device_budget_mb: float = 0.0
     host_budget_mb: float = 0.0
     cache_mode: str = "kv"  # "kv": per-session KV cache; "pixels": the reference design
     # Scheduling: the tokens one step may process (decodes, prefill chunks, vision-tower work);
     # what bounds how long any stream waits while others open sessions or ask long questions.
-    step_token_budget: int = 256
+    # 0 = calibrated at start from this machine's speed (see engine/calibrate.py).
+    step_token_budget: int = 0
     reaper_interval_s: float = 5.0
     # Requests
     max_body_bytes: int = 6 * 1024 * 1024

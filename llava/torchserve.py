@@ -78,6 +78,7 @@ class SessionHandler:
         """Build config, engine, session store and image loader from the model archive."""
         from llava.contract import Engine
         from llava.engine import LlavaEngine, SessionState, Turn  # torch is imported here only
+        from llava.engine.budget import derive_budgets
         from llava.engine.memory import TieredMemory
         from llava.images import ImageLoader, ImagePolicy
         from llava.sessions import LOST, SessionStore
@@ -87,9 +88,12 @@ class SessionHandler:
         self.config = config = ServerConfig.from_mapping(section, os.environ)
         llava_engine = LlavaEngine.load(model_dir, config)
         engine: Engine[SessionState, Turn] = llava_engine  # mypy checks the contract here
-        self.memory = TieredMemory(
-            llava_engine, config.device_budget_bytes, config.host_budget_bytes
+        budgets = derive_budgets(
+            [r.device for r in llava_engine.replicas],
+            config.device_budget_bytes,
+            config.host_budget_bytes,
         )
+        self.memory = TieredMemory(llava_engine, budgets.device, budgets.host)
         registry, lost = open_registry(context)
         store = SessionStore(
             ttl_s=config.session_ttl_s,

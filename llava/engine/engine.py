@@ -35,6 +35,7 @@ from transformers import DynamicCache
 from llava.config import ServerConfig
 from llava.engine import tiers
 from llava.engine.cache import crop_to, new_cache
+from llava.engine.calibrate import calibrate
 from llava.engine.chat import ChatFormatter, Exchange, common_prefix
 from llava.engine.decoding import Decoder
 from llava.engine.imageset import EMPTY, ImageEncoder, ImageSet, PreparedImages
@@ -47,6 +48,8 @@ from llava.engine.vision import embed, image_token_id, tower_ratio
 from llava.errors import InvalidRequest
 from llava.families import check_model_type, checkpoint_family
 from llava.protocol import GenerationParams
+
+DEFAULT_STEP_BUDGET = 256  # tokens per step for engines built without `load` (not calibrated)
 
 
 class LlavaEngine:
@@ -77,7 +80,8 @@ class LlavaEngine:
             eos = self.tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
         self.decoder = Decoder(replicas, self.forward, self.eos_ids)
-        self.tower_ratio = tower_ratio(model)
+        self.tower_ratio = tower_ratio(model)  # until calibrated: by parameter counts
+        self.step_budget = config.step_token_budget or DEFAULT_STEP_BUDGET
 
     @classmethod
     def load(cls, model_dir: str | Path, config: ServerConfig) -> LlavaEngine:
@@ -88,6 +92,8 @@ class LlavaEngine:
         replicas = [Replica(load_model(model_dir, d, config), d) for d in resolve_devices(config)]
         engine = cls(processor, replicas, config)
         engine.self_check()
+        if not config.step_token_budget:  # 0: size it from this machine's speed
+            engine.step_budget, engine.tower_ratio = calibrate(engine)
         return engine
 
     @property
@@ -276,7 +282,7 @@ class LlavaEngine:
         """Run this step's share of every turn, as the scheduler plans it; return errors by
         position. A failing piece fails its own turn only, and leaves its cache as it was."""
         work = [self._pending(i, turn) for i, turn in enumerate(turns) if not turn.done]
-        plan = plan_step(work, self.config.step_token_budget)
+        plan = plan_step(work, self.step_budget)
         errors: dict[int, BaseException] = {}
         for i in plan.encode:
             try:

@@ -1,0 +1,311 @@
+"""Load figures through TorchServe: stream gaps while sessions open, and open-loop capacity.
+
+    python bench/load.py                       # llava15: gaps, then capacity (tens of minutes)
+    python bench/load.py --only gaps           # a few minutes
+    python bench/load.py --rates 0.1 0.2 --conversations 8   # a quicker capacity sweep
+
+Stream gaps: one answer streams; after it has streamed quietly for a while, 4 sessions open
+with 1024x768 images at once (576 image tokens each on LLaVA-1.5). The figure is the stream's
+longest gap between two chunks while they open, against its quiet median gap. It is measured
+side by side on two servers: the default step token budget (chunked prefill) and an unbounded
+one (each open computed whole inside one step, as before chunking). The default budget is
+calibrated at start (engine/calibrate.py): a step's prefill work costs about 3 decode steps.
+
+Capacity: conversations arrive at random (Poisson) at a given rate; each opens, asks 4 questions
+with a think time between them and closes (16-token answers). For each strategy - this kit's
+session cache, the pixel cache (the reference design: `cache_mode: pixels`) and stateless
+(`generate` with the image and the history every turn) - rates go up until the p95 time to
+first token of follow-up questions passes the SLO; a strategy's capacity is the highest rate
+that held it. Results: bench/results/load.json and the terminal (Markdown).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from drivers import generate_body, open_body, query_body  # noqa: E402
+
+from llava.protocol import SESSION_HEADER  # noqa: E402
+
+JSON = {"Content-Type": "application/json"}
+PROMPTS = [
+    "What is shown in this picture?",
+    "Which colors stand out the most?",
+    "Is there anything unusual in the scene?",
+    "Summarize the picture in one sentence.",
+]
+
+
+def photo_uri(seed: int, size: tuple[int, int] = (1024, 768)) -> str:
+    """A deterministic noisy JPEG as a data: URI (what a client would send)."""
+    from PIL import Image
+
+    rng = random.Random(seed)
+    img = Image.frombytes("RGB", size, rng.randbytes(size[0] * size[1] * 3))
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", quality=85)
+    return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def start(store: Path, workdir: Path, **env: str) -> Any:
+    from llava.launcher import TorchServe
+
+    settings = {"LLAVA_MAX_NEW_TOKENS": "1024", "LLAVA_MAX_SESSIONS": "256", **env}
+    return TorchServe(store, "llava", workdir=workdir, env=settings).start()
+
+
+class Client:
+    """Streamed session-API calls over one pooled HTTP client."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.http = httpx.Client(timeout=600, limits=httpx.Limits(max_connections=256))
+
+    def open(self, image: str) -> str:
+        r = self.http.post(self.url, content=open_body(image), headers=JSON)
+        r.raise_for_status()
+        return r.json()["session_id"]
+
+    def close(self, sid: str) -> None:
+        self.http.post(
+            self.url, content=b'{"type": "close_session"}', headers={**JSON, SESSION_HEADER: sid}
+        )
+
+    def stream(self, body: bytes, sid: str | None) -> tuple[list[float], str]:
+        """Send a streamed request; return the arrival time of each chunk and the text."""
+        headers = {**JSON, SESSION_HEADER: sid} if sid else JSON
+        times, text = [], []
+        with self.http.stream("POST", self.url, content=body, headers=headers) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:300]!r}")
+            for line in r.iter_lines():
+                if line:
+                    times.append(time.perf_counter())
+                    event = json.loads(line)
+                    if "error" in event:
+                        raise RuntimeError(str(event["error"]))
+                    text.append(event.get("text", ""))
+        return times, "".join(text)
+
+
+# -- stream gaps -------------------------------------------------------------------------------
+
+
+def stream_gaps(client: Client, opens: int, quiet_chunks: int) -> dict[str, Any]:
+    """Stream one answer; open `opens` sessions at once after `quiet_chunks` chunks."""
+    sid = client.open(photo_uri(0))
+    body = query_body("Tell me a long story about this picture.", 1000, stream=True)
+    times: list[float] = []
+    window: dict[str, float] = {}
+
+    images = [photo_uri(100 + i) for i in range(opens)]  # encoded before the clock starts
+
+    def watch() -> None:
+        headers = {**JSON, SESSION_HEADER: sid}
+        with client.http.stream("POST", client.url, content=body, headers=headers) as r:
+            for line in r.iter_lines():
+                if line:
+                    times.append(time.perf_counter())
+
+    streamer = threading.Thread(target=watch)
+    streamer.start()
+    while len(times) < quiet_chunks and streamer.is_alive():
+        time.sleep(0.005)
+    window["start"] = time.perf_counter()
+    with ThreadPoolExecutor(opens) as pool:
+        opened = list(pool.map(client.open, images))
+    window["end"] = time.perf_counter()
+    streamer.join()
+    for other in [sid, *opened]:
+        client.close(other)
+    gaps = [(b - a, b) for a, b in zip(times, times[1:], strict=False)]
+    quiet = [g for g, at in gaps if at < window["start"]][5:]  # skip the first chunks' warm-up
+    during = [g for g, at in gaps if window["start"] <= at <= window["end"] + 0.5]
+    if not quiet or not during or times[-1] < window["end"]:
+        raise RuntimeError("the stream ended before the opens finished: ask for a longer answer")
+    median = statistics.median(quiet)
+    return {
+        "quiet_median_ms": round(median * 1000, 1),
+        "longest_gap_ms": round(max(during) * 1000, 1),
+        "gap_ratio": round(max(during) / median, 2),
+        "opens_wall_ms": round((window["end"] - window["start"]) * 1000, 1),
+        "chunks": len(times),
+    }
+
+
+# -- capacity ----------------------------------------------------------------------------------
+
+
+def conversation(client: Client, strategy: str, seed: int, think_s: float) -> dict[str, Any]:
+    """Open (unless stateless), ask 4 questions with think time, close; follow-up TTFTs."""
+    image = photo_uri(seed)
+    sid = client.open(image) if strategy != "stateless" else None
+    history: list[tuple[str, str]] = []
+    follow_ups, errors = [], 0
+    try:
+        for turn, prompt in enumerate(PROMPTS):
+            if turn:
+                time.sleep(think_s)
+            if strategy == "stateless":
+                body = generate_body(image, history, prompt, 16, stream=True)
+            else:
+                body = query_body(prompt, 16, stream=True)
+            sent = time.perf_counter()
+            try:
+                times, text = client.stream(body, sid)
+            except Exception:
+                errors += 1
+                break
+            if turn:
+                follow_ups.append((times[0] - sent) * 1000 if times else float("inf"))
+            history.append((prompt, text))
+    finally:
+        if sid:
+            client.close(sid)
+    return {"follow_up_ttft_ms": follow_ups, "errors": errors}
+
+
+def run_rate(
+    client: Client, strategy: str, rate: float, count: int, think_s: float, seed: int
+) -> dict[str, Any]:
+    """Conversations arriving by a Poisson process at `rate` per second."""
+    rng = random.Random(seed)
+    starts, at = [], 0.0
+    for _ in range(count):
+        at += rng.expovariate(rate)
+        starts.append(at)
+    began = time.perf_counter()
+
+    def later(i: int) -> dict[str, Any]:
+        delay = began + starts[i] - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        return conversation(client, strategy, seed * 1000 + i, think_s)
+
+    with ThreadPoolExecutor(count) as pool:
+        done = list(pool.map(later, range(count)))
+    ttfts = sorted(t for d in done for t in d["follow_up_ttft_ms"])
+    p95 = ttfts[min(len(ttfts) - 1, int(0.95 * len(ttfts)))] if ttfts else float("inf")
+    return {
+        "rate_per_s": rate,
+        "conversations": count,
+        "p50_ms": round(statistics.median(ttfts), 1) if ttfts else None,
+        "p95_ms": round(p95, 1),
+        "errors": sum(d["errors"] for d in done),
+    }
+
+
+def capacity(
+    client: Client, strategy: str, rates: list[float], count: int, think_s: float, slo_ms: float
+) -> dict[str, Any]:
+    """Raise the arrival rate until p95 follow-up TTFT misses the SLO; return the sweep."""
+    sweep, best = [], 0.0
+    for i, rate in enumerate(rates):
+        row = run_rate(client, strategy, rate, count, think_s, seed=i + 1)
+        row["held"] = row["p95_ms"] <= slo_ms and not row["errors"]
+        sweep.append(row)
+        print(f"  {strategy} at {rate}/s: p95 {row['p95_ms']} ms", file=sys.stderr)
+        if not row["held"]:
+            break
+        best = rate
+    return {"capacity_per_s": best, "sweep": sweep}
+
+
+def table(results: dict[str, Any]) -> str:
+    lines = []
+    if "gaps" in results:
+        lines += [
+            "| step token budget | quiet median gap | longest gap while 4 open | ratio |",
+            "|---|---|---|---|",
+        ]
+        for name, g in results["gaps"].items():
+            lines.append(
+                f"| {name} | {g['quiet_median_ms']} ms | {g['longest_gap_ms']} ms "
+                f"| {g['gap_ratio']}x |"
+            )
+    if "capacity" in results:
+        slo = results["meta"]["slo_ms"]
+        lines += ["", f"| strategy | capacity (conversations/s, p95 follow-up TTFT <= {slo} ms) |"]
+        lines.append("|---|---|")
+        for name, c in results["capacity"].items():
+            lines.append(f"| {name} | {c['capacity_per_s']} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="llava15")
+    parser.add_argument("--only", choices=["gaps", "capacity"])
+    parser.add_argument("--opens", type=int, default=4)
+    parser.add_argument("--rates", type=float, nargs="+", default=[0.05, 0.1, 0.2, 0.4, 0.8])
+    parser.add_argument("--conversations", type=int, default=12)
+    parser.add_argument("--think-s", type=float, default=2.0)
+    parser.add_argument("--slo-ms", type=float, default=1000.0)
+    parser.add_argument("--out", type=Path, default=HERE / "results")
+    args = parser.parse_args(argv)
+
+    from llava.archive import build_archive, resolve_model
+
+    model_dir = resolve_model(args.model)
+    work = Path(tempfile.mkdtemp())
+    build_archive(model_dir, work / "store", name="llava")
+    results: dict[str, Any] = {
+        "meta": {
+            "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "machine": platform.platform(),
+            "model": args.model,
+            "slo_ms": args.slo_ms,
+            "think_s": args.think_s,
+            "conversations_per_rate": args.conversations,
+        }
+    }
+    if args.only in (None, "gaps"):
+        results["gaps"] = {}
+        for name, budget in (("calibrated (default)", "0"), ("unbounded", "1000000")):
+            ts = start(work / "store", work / f"gaps-{budget}", LLAVA_STEP_TOKEN_BUDGET=budget)
+            try:
+                client = Client(ts.url("/predictions/llava"))
+                stream_gaps(client, args.opens, quiet_chunks=15)  # warm-up run, not kept
+                results["gaps"][name] = stream_gaps(client, args.opens, quiet_chunks=30)
+                print(f"gaps, budget {name}: {results['gaps'][name]}", file=sys.stderr)
+            finally:
+                ts.stop()
+    if args.only in (None, "capacity"):
+        results["capacity"] = {}
+        for strategy, mode in (("session", "kv"), ("pixels", "pixels"), ("stateless", "kv")):
+            ts = start(work / "store", work / f"cap-{strategy}", LLAVA_CACHE_MODE=mode)
+            try:
+                client = Client(ts.url("/predictions/llava"))
+                results["capacity"][strategy] = capacity(
+                    client, strategy, args.rates, args.conversations, args.think_s, args.slo_ms
+                )
+            finally:
+                ts.stop()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "load.json").write_text(json.dumps(results, indent=2))
+    print(table(results))
+    print(f"wrote {args.out / 'load.json'}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

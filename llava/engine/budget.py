@@ -1,0 +1,85 @@
+"""Memory budgets derived at start from what the machine has left once the weights are loaded.
+
+`device_budget_mb: 0` and `host_budget_mb: 0` (the defaults) mean "derive": on a GPU the device
+budget is what `torch.cuda.mem_get_info` reports free after loading, less a reserve for
+activations (a prefill chunk, the vision tower, the allocator's slack), halved because a
+decoding session's cache is copied into the stacked decode batch while it decodes (the batch's
+buffers are the other half). The host budget is half the memory the kernel reports available.
+Past the device budget idle sessions move to host memory, past the host budget they keep only
+their image features (see `memory.py`), so no default lets sessions fill the card.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+GIB = 1024**3
+ACTIVATION_FLOOR = GIB  # kept free for activations, whatever the card
+ACTIVATION_SHARE = 0.10  # or this share of the free memory, if larger
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """Byte budgets for the memory tiers (None: unbounded)."""
+
+    device: int | None
+    host: int | None
+
+
+def device_budget(free_bytes: int) -> int:
+    """Return the bytes session caches may hold on a device with `free_bytes` free."""
+    reserve = max(ACTIVATION_FLOOR, int(free_bytes * ACTIVATION_SHARE))
+    return max(0, (free_bytes - reserve) // 2)
+
+
+def host_budget(available_bytes: int) -> int:
+    """Return the bytes offloaded caches and image features may hold in host memory."""
+    return available_bytes // 2
+
+
+def available_host_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """Return the kernel's MemAvailable, or None where it cannot be read."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def derive_budgets(
+    devices: list[torch.device], device_bytes: int | None, host_bytes: int | None
+) -> Budgets:
+    """Fill in the budgets left at 0 in the config from this machine's free memory.
+
+    On CPU the device is host memory: only the host budget is derived there.
+    """
+    gpus = [d for d in devices if d.type == "cuda"]
+    if device_bytes is None and gpus:
+        free = sum(torch.cuda.mem_get_info(d)[0] for d in gpus)
+        device_bytes = device_budget(free)
+        log.info(
+            "device budget derived: %.1f GiB free after loading the weights on %d GPU(s) -> "
+            "%.1f GiB for session caches (set device_budget_mb to override)",
+            free / GIB,
+            len(gpus),
+            device_bytes / GIB,
+        )
+    if host_bytes is None:
+        available = available_host_bytes()
+        if available is not None:
+            host_bytes = host_budget(available)
+            log.info(
+                "host budget derived: %.1f GiB available -> %.1f GiB for offloaded sessions "
+                "(set host_budget_mb to override)",
+                available / GIB,
+                host_bytes / GIB,
+            )
+    return Budgets(device_bytes, host_bytes)

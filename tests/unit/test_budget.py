@@ -1,0 +1,49 @@
+"""Budgets derived at start: nothing a default config allows can fill the card."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from llava.engine import budget
+from llava.engine.budget import GIB, available_host_bytes, derive_budgets, device_budget
+
+
+def test_the_device_budget_keeps_an_activation_reserve_and_room_for_the_decode_batch() -> None:
+    # 8 GiB free (a 7B model on a 24 GB A10G): 1 GiB kept, the rest shared with the batch.
+    assert device_budget(8 * GIB) == int(3.5 * GIB)
+    # On a large card the reserve is a share of what is free.
+    assert device_budget(60 * GIB) == int((60 - 6) / 2 * GIB)
+    assert device_budget(GIB // 2) == 0  # nothing left: every idle session goes to host memory
+
+
+def test_available_host_memory_is_read_from_meminfo(tmp_path: Path) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:  32000000 kB\nMemAvailable:   2048 kB\n")
+    assert available_host_bytes(meminfo) == 2048 * 1024
+    meminfo.write_text("garbage")
+    assert available_host_bytes(meminfo) is None
+    assert available_host_bytes(tmp_path / "missing") is None
+
+
+def test_on_cpu_only_the_host_budget_is_derived(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(budget, "available_host_bytes", lambda: 10 * GIB)
+    derived = derive_budgets([torch.device("cpu")], None, None)
+    assert derived.device is None and derived.host == 5 * GIB
+
+
+def test_on_gpus_the_free_memory_of_every_card_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    free = {0: 8 * GIB, 1: 8 * GIB}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (free[d.index], 24 * GIB))
+    monkeypatch.setattr(budget, "available_host_bytes", lambda: None)
+    gpus = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    derived = derive_budgets(gpus, None, None)
+    assert derived.device == device_budget(16 * GIB) and derived.host is None
+
+
+def test_configured_budgets_are_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: pytest.fail("must not be asked"))
+    derived = derive_budgets([torch.device("cuda", 0)], 123, 456)
+    assert (derived.device, derived.host) == (123, 456)
