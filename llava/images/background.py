@@ -9,6 +9,9 @@ loop only polls the returned futures; a load that fails names the `image` field.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
@@ -18,6 +21,16 @@ from llava.images.refs import is_inline
 
 # Threads for inline images (decode and prepare only: CPU work, never waits on a remote server).
 LOCAL_THREADS = 2
+# Image threads run at a lower CPU priority than the step loop: on a host with few cores, decoding
+# and resizing must not slow the forwards every stream is waiting on.
+IMAGE_THREAD_NICENESS = 10
+
+
+def _lower_priority() -> None:
+    """Lower this thread's CPU priority (Linux schedules threads on their own)."""
+    # Not Linux, or not permitted: the thread runs at normal priority.
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), IMAGE_THREAD_NICENESS)
 
 
 class ImageSource(Protocol):
@@ -31,8 +44,12 @@ class BackgroundImages:
 
     def __init__(self, source: ImageSource, threads: int) -> None:
         self._source = source
-        self._fetch = ThreadPoolExecutor(threads, thread_name_prefix="llava-image-fetch")
-        self._local = ThreadPoolExecutor(LOCAL_THREADS, thread_name_prefix="llava-image")
+        self._fetch = ThreadPoolExecutor(
+            threads, thread_name_prefix="llava-image-fetch", initializer=_lower_priority
+        )
+        self._local = ThreadPoolExecutor(
+            LOCAL_THREADS, thread_name_prefix="llava-image", initializer=_lower_priority
+        )
 
     def submit(self, ref: str, prepare: Callable[[Any], Any]) -> Future:
         """Start loading one image and preparing it; the future holds the result or the error."""
