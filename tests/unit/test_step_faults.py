@@ -238,7 +238,8 @@ def test_out_of_memory_frees_idle_sessions_and_retries_once(engine, reference) -
             (f"o{i}", {"type": "open_session", "image": f"https://images.test/{30 + i}"}, {})
             for i in range(3)
         ]
-        sids = [body["session_id"] for _, body in serve(engine, opens, service).values()]
+        opened = serve(engine, opens, service)  # by request id (they finish in any order)
+        sids = [opened[f"o{i}"][1]["session_id"] for i in range(3)]
         asked = {"type": "query", "prompt": PROMPTS[0], "max_new_tokens": 8}
         header = {"X-Amzn-SageMaker-Session-Id": sids[0]}
         oom = torch.OutOfMemoryError("CUDA out of memory (injected)")
