@@ -62,17 +62,33 @@ class Decoder:
     def _decode_alone(self, group: list[tuple[int, Turn]]) -> dict[int, Exception]:
         errors: dict[int, Exception] = {}
         for i, turn in group:
-            before = turn.cache.get_seq_length()
             try:
-                logits = self.forward(turn.state.replica, turn.cache, turn.pending, None, 0)
-                token = next_token(logits, turn.params, turn.generator)
+                token = self.feed(turn, turn.pending, None, 0, sample=True)
             except Exception as exc:
-                crop_to(turn.cache, before)
                 errors[i] = exc
                 continue
             turn.fed = turn.fed + turn.pending
+            assert token is not None
             self.accept(turn, token)
         return errors
+
+    def feed(
+        self, turn: Turn, ids: list[int], features: Any, offset: int, *, sample: bool
+    ) -> int | None:
+        """Feed ids into the turn's cache and, if `sample`, choose the next token.
+
+        A failure in either leaves the cache as it was (the forward cuts itself back; a
+        failed choice cuts back what the forward added).
+        """
+        before = turn.cache.get_seq_length()
+        logits = self.forward(turn.state.replica, turn.cache, ids, features, offset)
+        if not sample:
+            return None
+        try:
+            return next_token(logits, turn.params, turn.generator)
+        except BaseException:
+            crop_to(turn.cache, before)
+            raise
 
     def accept(self, turn: Turn, token: int) -> None:
         """Record one sampled token: end the answer, or emit its text and feed it next."""

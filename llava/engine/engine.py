@@ -40,7 +40,7 @@ from llava.engine.chat import ChatFormatter, Exchange, common_prefix
 from llava.engine.decoding import Decoder
 from llava.engine.imageset import EMPTY, ImageEncoder, ImageSet, PreparedImages
 from llava.engine.loading import load_model, load_processor, resolve_devices
-from llava.engine.sampling import Detokenizer, make_generator, next_token
+from llava.engine.sampling import Detokenizer, make_generator
 from llava.engine.scheduler import Pending, plan_step
 from llava.engine.selfcheck import self_check
 from llava.engine.state import Replica, SessionState, Tier, Turn
@@ -114,7 +114,7 @@ class LlavaEngine:
         replica = min(self.replicas, key=lambda r: r.sessions)
         images = self.images.start(image, replica.device)
         prefix = self.chat.tokenize(self.chat.prefix_text(system_prompt), images.tokens)
-        state = SessionState(replica, system_prompt, images, len(prefix))
+        state = SessionState(replica, system_prompt, images, prefix)
         state.tier = Tier.FEATURES if self.keeps_kv else Tier.DEVICE
         replica.sessions += 1
         return state
@@ -126,8 +126,9 @@ class LlavaEngine:
         Stepped like an answer (in tower runs and chunks), it generates nothing; `finish_turn`
         commits it. In `pixels` mode there is nothing to compute: the turn is already done.
         """
-        prefix = self.chat.tokenize(self.chat.prefix_text(state.system_prompt), state.images.tokens)
-        turn = self._new_turn(state, "", GenerationParams(), prefix, [], state.images, 0, 0)
+        turn = self._new_turn(
+            state, "", GenerationParams(), state.prefix_ids, [], state.images, 0, 0
+        )
         turn.opening = True
         if not self.keeps_kv:
             turn.done = True
@@ -322,18 +323,10 @@ class LlavaEngine:
 
     def _prefill(self, turn: Turn, tokens: int) -> None:
         """Feed the next `tokens` pending ids; after the last chunk, choose the first token."""
-        state = turn.state
         chunk, rest = turn.pending[:tokens], turn.pending[tokens:]
         offset = sum(1 for i in turn.fed if i == self.image_token_id)
-        before = turn.cache.get_seq_length()
-        logits = self.forward(state.replica, turn.cache, chunk, turn.features, offset)
-        token = None
-        if not rest and not turn.opening:
-            try:
-                token = next_token(logits, turn.params, turn.generator)
-            except BaseException:
-                crop_to(turn.cache, before)
-                raise
+        last = not rest and not turn.opening
+        token = self.decoder.feed(turn, chunk, turn.features, offset, sample=last)
         turn.fed, turn.pending = turn.fed + chunk, rest
         if rest:
             return
@@ -376,9 +369,7 @@ class LlavaEngine:
         if self.keeps_kv:
             state.cache_ids = turn.fed
         state.images = turn.images
-        if turn.opening:
-            state.tier = Tier.DEVICE
-        else:
+        if not turn.opening:  # an open adds no exchange
             state.history = [*turn.past, Exchange(turn.prompt, turn.text, turn.added_images)]
 
     @torch.inference_mode()

@@ -51,10 +51,6 @@ class ImageSet:
     opening: ImageSet | None = None  # the first image encoded alone, once re-encoded jointly
 
     @property
-    def encoded(self) -> bool:
-        return self.pending is None
-
-    @property
     def host_bytes(self) -> int:
         features = self.features
         pixels = sum(image.width * image.height * 3 for image in self.sources)

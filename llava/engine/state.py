@@ -52,11 +52,15 @@ class SessionState:
     replica: Replica
     system_prompt: str | None
     images: ImageSet
-    prefix_len: int  # ids of the system prompt and the first image: the opening
+    prefix_ids: list[int]  # the system prompt and the first image: what an open prefills
     cache: DynamicCache | None = None
     cache_ids: list[int] = field(default_factory=list)  # the ids whose keys/values are cached
     tier: Tier = Tier.DEVICE
     history: list[Exchange] = field(default_factory=list)
+
+    @property
+    def prefix_len(self) -> int:
+        return len(self.prefix_ids)
 
     @property
     def cached(self) -> int:
