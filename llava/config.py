@@ -24,6 +24,7 @@ _ZERO_ALLOWED = {
     "host_budget_mb",
     "max_context_tokens",
     "step_token_budget",
+    "snapshot_budget_mb",
 }
 CACHE_MODES = ("kv", "pixels")
 ENV_PREFIX = "LLAVA_"
@@ -53,6 +54,12 @@ class ServerConfig:
     # 0 = calibrated at start from this machine's speed (see engine/calibrate.py).
     step_token_budget: int = 0
     reaper_interval_s: float = 5.0
+    # Snapshots: each session's conversation and image features on local disk, so a restarted
+    # worker loses no conversation. "" = <temp dir>/llava-snapshots (in the SageMaker DLC, /tmp:
+    # the container's local, writable disk); "off" = no snapshots. A budget of 0 = half the
+    # disk's free space at start; past it the oldest snapshots go.
+    snapshot_dir: str = ""
+    snapshot_budget_mb: float = 0.0
     # Requests
     max_body_bytes: int = 6 * 1024 * 1024
     max_prompt_chars: int = 16_000
@@ -106,6 +113,10 @@ class ServerConfig:
     @property
     def host_budget_bytes(self) -> int | None:
         return int(self.host_budget_mb * 1024 * 1024) if self.host_budget_mb else None
+
+    @property
+    def snapshot_budget_bytes(self) -> int | None:
+        return int(self.snapshot_budget_mb * 1024 * 1024) if self.snapshot_budget_mb else None
 
     @classmethod
     def from_mapping(

@@ -7,7 +7,7 @@ mypy where the TorchServe adapter builds it).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
 from llava.protocol import GenerationParams
@@ -65,6 +65,16 @@ class Engine(Protocol[StateT, TurnT]):
 
     def release(self, state: StateT) -> None:
         """Free a session's state."""
+        ...
+
+    def snapshot(self, state: StateT, extra: dict[str, Any]) -> Callable[[], bytes] | None:
+        """Capture what rebuilds a session (cheap, on the step thread); the returned call
+        serialises it with `extra` on another thread. None: this engine keeps no snapshots."""
+        ...
+
+    def resume(self, data: bytes) -> tuple[StateT, dict[str, Any]]:
+        """Rebuild a session and its `extra` from a snapshot; ValueError if it is not one of
+        this model's."""
         ...
 
     def start_turn(

@@ -58,10 +58,10 @@ class Answering(Generic[TurnT]):
         # character), so a client's time to first token is the model's.
         return self.stream_reply(self.replies.chunk(self.turn.delta), last=False)
 
-    def finished(self) -> Reply:
+    def finished(self, **more_usage: Any) -> Reply:
         """The reply of a finished answer: its last stream chunk, or the whole response."""
         turn = self.turn
-        usage = turn.usage()
+        usage = {**turn.usage(), **more_usage}
         if self.stream:
             return self.stream_reply(
                 self.replies.last(turn.delta, usage, turn.finish_reason), last=True

@@ -58,8 +58,12 @@ def registry_path(model_name: str, directory: str | os.PathLike[str] | None = No
     `directory` defaults to `$LLAVA_SESSION_REGISTRY_DIR`, else the temp directory (`$TMPDIR`).
     """
     base = directory or os.environ.get(ENV_DIR) or tempfile.gettempdir()
-    safe = re.sub(r"[^A-Za-z0-9._-]", "_", model_name or "model")[:100] or "model"
-    return Path(base) / f"llava-sessions-{safe}.registry"
+    return Path(base) / f"llava-sessions-{safe_name(model_name)}.registry"
+
+
+def safe_name(model_name: str) -> str:
+    """A model name as a file name (TorchServe's names are free text)."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", model_name or "model")[:100] or "model"
 
 
 class SessionRegistry:

@@ -52,6 +52,7 @@ from llava.replies import (
     internal_error,
 )
 from llava.sessions import LOST, Session, SessionStore
+from llava.snapshots import SnapshotDir
 
 log = logging.getLogger(__name__)
 
@@ -80,11 +81,13 @@ class SessionService(Generic[StateT, TurnT]):
         *,
         limits: Limits = Limits(),
         fetch_threads: int = 16,
+        snapshots: SnapshotDir | None = None,
     ) -> None:
         self.engine = engine
         self.store = store
         self.images = images
         self.limits = limits
+        self.snapshots = snapshots
         self._images = BackgroundImages(images, fetch_threads)
         self.opener: SessionOpener[StateT, TurnT] = SessionOpener(engine, store, self._images)
         self._work: dict[str, Fetching | Opening[StateT, TurnT] | Answering[TurnT]] = {}
@@ -337,6 +340,7 @@ class SessionService(Generic[StateT, TurnT]):
         session = self.opener.finish(work)
         if isinstance(session, Reply):
             return session
+        self._keep(session)
         if isinstance(work.request, ChatCompletion):
             return self._answer_new_chat(request_id, work.request, session, work.replies)
         return self.opener.opened_reply(session)
@@ -345,9 +349,25 @@ class SessionService(Generic[StateT, TurnT]):
         del self._work[request_id]
         try:
             self.engine.finish_turn(work.turn)
+            if not work.transient:
+                self._keep(work.session)
         finally:
             self._end_turn(work)
-        return work.finished()
+        if self.snapshots is None or work.transient:
+            return work.finished()
+        return work.finished(snapshot_bytes=self.snapshots.size_of(work.session.id))
+
+    def _keep(self, session: Session) -> None:
+        """Queue a snapshot of a session at its last finished turn (written off this thread)."""
+        if self.snapshots is None or session.closing:
+            return
+        try:
+            extra = {"info": session.info, "expires_at": self.store.expires_at(session)}
+            produce = self.engine.snapshot(session.state, extra)
+            if produce is not None:
+                self.snapshots.save(session.id, produce)
+        except Exception:  # a missing snapshot costs a restart's recovery, never this answer
+            log.exception("could not snapshot session %s", session.id)
 
     def _end_turn(self, work: Answering) -> None:
         if work.transient:

@@ -192,6 +192,27 @@ class SessionStore:
             self._enforce_budget(keep=session.id)
             return session
 
+    def restore(
+        self, sid: str, state: Any, nbytes: int, expires_at: float, info: dict[str, Any]
+    ) -> Session:
+        """Bring back a session an earlier worker left open, under its id and with the idle
+        time it had left (a restarted worker, from its snapshot)."""
+        with self._lock:
+            if sid in self._sessions or sid in self._slots:
+                raise ValueError(f"session {sid} is already open")
+            remaining = min(self.ttl_s, max(0.0, expires_at - self._wall_clock()))
+            last_used = self._clock() - (self.ttl_s - remaining)
+            session = Session(sid, state, nbytes, last_used, info=dict(info))
+            self._sessions[sid] = session
+            self._sessions = OrderedDict(
+                sorted(self._sessions.items(), key=lambda item: item[1].last_used)
+            )
+            self._ended.pop(sid, None)
+            self._version += 1
+            self._note("opened", sid, self.expires_at(session))
+            self._enforce_budget(keep=sid)
+            return session
+
     # -- using -----------------------------------------------------------------------------
     def get(self, sid: str) -> Session:
         """Return the open session `sid` (refreshing its TTL) or raise the precise error."""

@@ -9,9 +9,10 @@ step with every active request. The rules this adapter follows (docs/torchserve.
   response, False = more chunks to come, True = last chunk;
 - `handle()` never raises, because an exception would fail every request in the batch.
 
-A worker records the session ids it issues in a per-model registry file (`llava.registry`); a
-worker started after one died loads the ids it never ended as lost, so their clients get 400
-`session_lost` instead of `session_not_found`.
+A worker records the session ids it issues in a per-model registry file (`llava.registry`) and
+snapshots each session's conversation and image features to local disk (`llava.snapshots`). A
+worker started after one died restores the sessions it left open from their snapshots (their
+next turn recomputes the prefix); those without one answer 400 `session_lost`.
 """
 
 from __future__ import annotations
@@ -64,6 +65,25 @@ def open_registry(context: Any) -> tuple[Any, list[str]]:
     return (registry if registry.enabled else None), lost
 
 
+def open_snapshots(config: ServerConfig, context: Any) -> Any:
+    """Open this model's snapshot directory, or None when snapshots are off or impossible."""
+    from llava.snapshots import SnapshotDir
+
+    if config.snapshot_dir == "off":
+        return None
+    name = str(getattr(context, "model_name", None) or "llava")
+    try:
+        return SnapshotDir.for_model(config.snapshot_dir, name, config.snapshot_budget_bytes)
+    except OSError as exc:  # sessions still work; only a restart loses them
+        log.warning(
+            "session snapshots disabled: cannot use %r (%s); set snapshot_dir to a writable "
+            "local directory",
+            config.snapshot_dir,
+            exc,
+        )
+        return None
+
+
 class SessionHandler:
     """Load the engine once per worker, then serve every step of every request."""
 
@@ -73,6 +93,7 @@ class SessionHandler:
         self.memory: Any = None
         self._last_tiers: dict[str, Any] | None = None
         self._reported_version: int | None = None
+        self._last_snapshots: dict[str, int] | None = None
 
     def initialize(self, context: Any) -> None:
         """Build config, engine, session store and image loader from the model archive."""
@@ -81,7 +102,8 @@ class SessionHandler:
         from llava.engine.budget import derive_budgets
         from llava.engine.memory import TieredMemory
         from llava.images import ImageLoader, ImagePolicy
-        from llava.sessions import LOST, SessionStore
+        from llava.sessions import LOST, Session, SessionStore
+        from llava.snapshots import recover
 
         model_dir = Path(context.system_properties.get("model_dir"))
         section = (getattr(context, "model_yaml_config", None) or {}).get("handler")
@@ -94,15 +116,26 @@ class SessionHandler:
             config.host_budget_bytes,
         )
         self.memory = TieredMemory(llava_engine, budgets.device, budgets.host)
-        registry, lost = open_registry(context)
+        registry, left_open = open_registry(context)
+        # Snapshots need the registry: it alone tells which sessions an earlier worker left open.
+        snapshots = open_snapshots(config, context) if registry is not None else None
+
+        def release(session: Session, reason: str) -> None:
+            engine.release(session.state)
+            if snapshots is not None:
+                snapshots.remove(session.id)
+
         store = SessionStore(
             ttl_s=config.session_ttl_s,
             max_sessions=config.max_sessions,
             memory=self.memory,
-            release=lambda session, reason: engine.release(session.state),
+            release=release,
             journal=registry,
         )
-        store.load_tombstones(lost, LOST)
+        if snapshots is not None:
+            recover(snapshots, engine, store, left_open)
+        else:
+            store.load_tombstones(left_open, LOST)
         store.start_reaper(config.reaper_interval_s)
         images = ImageLoader(
             ImagePolicy(
@@ -114,7 +147,12 @@ class SessionHandler:
             )
         )
         self.service = SessionService(
-            engine, store, images, limits=config.limits, fetch_threads=config.image_fetch_threads
+            engine,
+            store,
+            images,
+            limits=config.limits,
+            fetch_threads=config.image_fetch_threads,
+            snapshots=snapshots,
         )
         log.info("llava handler ready: %s", config)
 
@@ -142,6 +180,7 @@ class SessionHandler:
         metrics = getattr(context, "metrics", None)
         if self.memory is None or metrics is None or self.service is None:
             return
+        self._report_snapshots(metrics)
         store = self.service.store
         if store.version == self._reported_version:
             return  # nothing changed since the last step: skip walking every cache
@@ -173,6 +212,24 @@ class SessionHandler:
                     )
         except Exception:  # metrics must never cost a request its answer
             log.warning("could not publish session metrics", exc_info=True)
+
+    def _report_snapshots(self, metrics: Any) -> None:
+        """Publish the snapshots on disk (count and bytes) when they change."""
+        snapshots = self.service.snapshots if self.service is not None else None
+        if snapshots is None:
+            return
+        stats = snapshots.stats()
+        if stats == self._last_snapshots:
+            return
+        self._last_snapshots = stats
+        try:
+            from ts.metrics.metric_type_enum import MetricTypes
+
+            gauge = MetricTypes.GAUGE
+            metrics.add_metric("LlavaSnapshots", stats["snapshots"], "count", metric_type=gauge)
+            metrics.add_metric("LlavaSnapshotBytes", stats["bytes"], "B", metric_type=gauge)
+        except Exception:  # metrics must never cost a request its answer
+            log.warning("could not publish snapshot metrics", exc_info=True)
 
     @staticmethod
     def _emit(replies: list[Reply | None], context: Any) -> list[Any]:

@@ -25,7 +25,7 @@ processed image, and every question re-runs the vision tower and prefills the wh
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ import torch
 from transformers import DynamicCache
 
 from llava.config import ServerConfig
-from llava.engine import tiers
+from llava.engine import snapshot, tiers
 from llava.engine.cache import crop_to, new_cache
 from llava.engine.calibrate import calibrate
 from llava.engine.chat import ChatFormatter, Exchange, common_prefix
@@ -82,6 +82,8 @@ class LlavaEngine:
         self.decoder = Decoder(replicas, self.forward, self.eos_ids)
         self.tower_ratio = tower_ratio(model)  # until calibrated: by parameter counts
         self.step_budget = config.step_token_budget or DEFAULT_STEP_BUDGET
+        self.forward_cost = 0  # a configured budget counts tokens only
+        self.fingerprint = ""  # the checkpoint's identity, for snapshots (set by `load`)
 
     @classmethod
     def load(cls, model_dir: str | Path, config: ServerConfig) -> LlavaEngine:
@@ -91,9 +93,12 @@ class LlavaEngine:
         processor = load_processor(model_dir)
         replicas = [Replica(load_model(model_dir, d, config), d) for d in resolve_devices(config)]
         engine = cls(processor, replicas, config)
+        engine.fingerprint = snapshot.model_fingerprint(model_dir)
         engine.self_check()
         if not config.step_token_budget:  # 0: size it from this machine's speed
-            engine.step_budget, engine.tower_ratio = calibrate(engine)
+            costs = calibrate(engine)
+            engine.step_budget, engine.tower_ratio = costs.budget, costs.tower_ratio
+            engine.forward_cost = costs.forward_cost
         return engine
 
     @property
@@ -167,6 +172,21 @@ class LlavaEngine:
         state.replica.sessions -= 1
         state.cache, state.cache_ids = None, []
         state.images = EMPTY
+
+    def snapshot(self, state: SessionState, extra: dict[str, Any]) -> Callable[[], bytes] | None:
+        """Capture what rebuilds a session (None in pixels mode, which keeps no features);
+        the returned call serialises it, on any thread."""
+        if not self.keeps_kv:
+            return None
+        return snapshot.capture(state, self.fingerprint, extra)
+
+    def resume(self, data: bytes) -> tuple[SessionState, dict[str, Any]]:
+        """Rebuild a session from its snapshot, in the FEATURES tier; ValueError if it is not
+        a snapshot of this model."""
+        replica = min(self.replicas, key=lambda r: r.sessions)
+        state, extra = snapshot.restore(data, self.fingerprint, replica)
+        replica.sessions += 1
+        return state, extra
 
     def offload(self, state: SessionState) -> int:
         """Move a session's cache to host memory; return the device bytes freed."""
@@ -283,7 +303,7 @@ class LlavaEngine:
         """Run this step's share of every turn, as the scheduler plans it; return errors by
         position. A failing piece fails its own turn only, and leaves its cache as it was."""
         work = [self._pending(i, turn) for i, turn in enumerate(turns) if not turn.done]
-        plan = plan_step(work, self.step_budget)
+        plan = plan_step(work, self.step_budget, self.forward_cost)
         errors: dict[int, BaseException] = {}
         for i in plan.encode:
             try:

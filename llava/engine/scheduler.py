@@ -7,9 +7,12 @@ work that starts answers, in order:
 2. opens and one-shot answers (long prefills: an image's tokens),
 each in arrival order. That work is cut into pieces: the vision tower over a request's new
 images (costed by the tokens it produces, scaled by the tower's size against the language
-model's) and prefill chunks of at most the budget. The oldest waiting piece always gets some of
-the step, so nothing starves; a piece that does not fit waits for the next step, and nothing
-behind it overtakes it. This is chunked prefill as vLLM and SGLang schedule it.
+model's) and prefill chunks of at most the budget. Each prefill chunk is one more forward, and a
+forward has a fixed cost whatever its length (reading the weights: on a CPU about one decode
+step); `forward_cost` charges it, in tokens, so a step never runs more forwards than it can pay.
+The oldest waiting piece always gets some of the step, so nothing starves; a piece that does not
+fit waits for the next step, and nothing behind it overtakes it. This is chunked prefill as vLLM
+and SGLang schedule it.
 
 Pure: no torch, so the policy is tested on its own.
 """
@@ -46,10 +49,12 @@ class StepPlan:
         return len(self.decode) + sum(self.prefill.values())
 
 
-def plan_step(work: list[Pending], budget: int) -> StepPlan:
-    """Choose this step's decodes, tower runs and prefill chunks within `budget` tokens."""
+def plan_step(work: list[Pending], budget: int, forward_cost: int = 0) -> StepPlan:
+    """Choose this step's decodes, tower runs and prefill chunks within `budget` tokens, a
+    prefill chunk costing `forward_cost` on top of its tokens."""
     plan = StepPlan(decode=[w.index for w in work if w.decoding])
-    left = max(budget - len(plan.decode), budget // MIN_PREFILL_SHARE, 1)
+    share = max(budget // MIN_PREFILL_SHARE, 1)
+    left = max(budget - len(plan.decode), share)
     waiting = [w for w in work if not w.decoding]
     waiting.sort(key=lambda w: not w.follow_up)  # stable: arrival order within each class
     first = True
@@ -60,11 +65,12 @@ def plan_step(work: list[Pending], budget: int) -> StepPlan:
             plan.encode.append(w.index)
             left -= w.tower_cost
         elif w.prefill:
-            if left <= 0:
+            room = left - forward_cost if not first else max(left - forward_cost, share)
+            if room <= 0:
                 break
-            chunk = min(w.prefill, left)
+            chunk = min(w.prefill, room)
             plan.prefill[w.index] = chunk
-            left -= chunk
+            left -= forward_cost + chunk
         first = False
         if left <= 0:
             break

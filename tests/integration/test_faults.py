@@ -33,7 +33,10 @@ MAX_SESSIONS = 2
 @pytest.fixture(scope="module")
 def faults(model_store, tmp_path_factory) -> Iterator[TorchServe]:
     ts = start_server(
-        model_store, tmp_path_factory.mktemp("faults"), LLAVA_MAX_SESSIONS=str(MAX_SESSIONS)
+        model_store,
+        tmp_path_factory.mktemp("faults"),
+        LLAVA_MAX_SESSIONS=str(MAX_SESSIONS),
+        LLAVA_SNAPSHOT_DIR="off",  # sessions die with their worker (test_restart: they don't)
     )
     try:
         yield ts
@@ -174,7 +177,8 @@ def test_a_query_racing_a_close_is_safe(faults, stream):
 
 
 def test_a_dead_workers_sessions_answer_session_lost(faults, client):
-    """Kill the worker: its sessions answer 400 session_lost, then new sessions work."""
+    """Without snapshots, kill the worker: its sessions answer 400 session_lost, then new
+    sessions work."""
     url = faults.url("/predictions/llava")
     sids = [open_session(client, url, data_uri(make_image(200 + i))) for i in range(2)]
     ask(client, url, sids[0], "What is this?", max_new_tokens=4)

@@ -50,3 +50,20 @@ def test_many_decoders_still_leave_a_share_for_starting_answers() -> None:
 def test_done_or_empty_work_plans_nothing() -> None:
     assert plan_step([], budget=8).tokens == 0
     assert plan_step([Pending(0, False)], budget=8).prefill == {}
+
+
+def test_each_prefill_chunk_pays_for_its_forward() -> None:
+    work = [Pending(0, False, prefill=20), Pending(1, False, prefill=100, follow_up=False)]
+    plan = plan_step(work + [decoding(2)], budget=90, forward_cost=30)
+    # 89 left after the decode: the question (30 + 20), then the open's forward and 9 tokens.
+    assert plan.prefill == {0: 20, 1: 9}
+    plan = plan_step(work + [decoding(2)], budget=80, forward_cost=30)
+    assert plan.prefill == {0: 20}  # 29 left: not even the open's forward fits
+    plan = plan_step([Pending(1, False, prefill=100, follow_up=False)], budget=90, forward_cost=30)
+    assert plan.prefill == {1: 60}
+
+
+def test_the_oldest_chunk_runs_however_dear_its_forward() -> None:
+    work = [decoding(i) for i in range(100)] + [Pending(100, False, prefill=500)]
+    plan = plan_step(work, budget=64, forward_cost=40)
+    assert plan.prefill == {100: 16}
