@@ -223,11 +223,17 @@ class SessionHandler:
             return
         self._last_snapshots = stats
         try:
+            from ts.metrics.dimension import Dimension
             from ts.metrics.metric_type_enum import MetricTypes
 
-            gauge = MetricTypes.GAUGE
-            metrics.add_metric("LlavaSnapshots", stats["snapshots"], "count", metric_type=gauge)
-            metrics.add_metric("LlavaSnapshotBytes", stats["bytes"], "B", metric_type=gauge)
+            dims = [Dimension("Store", "disk")]
+            for name, value, unit in (
+                ("LlavaSnapshots", stats["snapshots"], "Count"),
+                ("LlavaSnapshotBytes", stats["bytes"], "Bytes"),
+            ):
+                metrics.add_metric(
+                    name, value, unit, dimensions=dims, metric_type=MetricTypes.GAUGE
+                )
         except Exception:  # metrics must never cost a request its answer
             log.warning("could not publish snapshot metrics", exc_info=True)
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import pytest
 from helpers import Reference
 
@@ -61,6 +63,29 @@ def running_servers(
     finally:
         for ts in servers:
             ts.stop()
+
+
+def worker(ts: TorchServe) -> dict:
+    """Return the model's one worker as the management API describes it (pid, status)."""
+    r = httpx.get(f"http://127.0.0.1:{ts.management_port}/models/{ts.model}", timeout=10)
+    r.raise_for_status()
+    [model] = r.json()
+    [only] = model["workers"]
+    return only
+
+
+def wait_for_new_worker(ts: TorchServe, old_pid: int, timeout_s: float = 120) -> dict:
+    """Poll the management API until a worker other than `old_pid` is READY."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            now = worker(ts)
+            if now["pid"] != old_pid and now["status"] == "READY":
+                return now
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.2)
+    raise AssertionError("TorchServe did not restart the worker:\n" + ts.log_tail(60))
 
 
 def assert_no_worker_death(server: TorchServe) -> None:

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from conftest import assert_no_worker_death, start_server
+from conftest import assert_no_worker_death, start_server, wait_for_new_worker, worker
 from helpers import ask, data_uri, make_image, open_session, post
 from PIL import Image
 
@@ -48,15 +48,6 @@ def faults(model_store, tmp_path_factory) -> Iterator[TorchServe]:
 def client() -> Iterator[httpx.Client]:
     with httpx.Client(timeout=60) as c:
         yield c
-
-
-def worker(ts: TorchServe) -> dict:
-    """Return the model's one worker as the management API describes it (pid, status)."""
-    r = httpx.get(f"http://127.0.0.1:{ts.management_port}/models/{ts.model}", timeout=10)
-    r.raise_for_status()
-    [model] = r.json()
-    [only] = model["workers"]
-    return only
 
 
 def too_many_pixels() -> str:
@@ -187,17 +178,7 @@ def test_a_dead_workers_sessions_answer_session_lost(faults, client):
 
     os.kill(before["pid"], signal.SIGKILL)
     started = time.monotonic()
-    deadline = started + 120
-    while time.monotonic() < deadline:
-        try:
-            now = worker(faults)
-            if now["pid"] != before["pid"] and now["status"] == "READY":
-                break
-        except (httpx.HTTPError, ValueError):
-            pass
-        time.sleep(0.2)
-    else:
-        raise AssertionError("TorchServe did not restart the worker:\n" + faults.log_tail(60))
+    now = wait_for_new_worker(faults, before["pid"])
     restart_s = time.monotonic() - started
     print(f"\nworker {before['pid']} killed; worker {now['pid']} ready after {restart_s:.1f} s")
 

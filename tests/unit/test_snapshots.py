@@ -197,9 +197,7 @@ def test_recovery_restores_what_was_left_open_and_nothing_else(snaps: SnapshotDi
     written(snaps, ended, f"ok:{now + 300}".encode())  # closed before the crash
     engine = Engine()
 
-    counts = recover(
-        snaps, engine, store, [kept, corrupt, expired, missing], clock=lambda: now
-    )  # type: ignore[arg-type]
+    counts = recover(snaps, engine, store, [kept, corrupt, expired, missing], clock=lambda: now)  # type: ignore[arg-type]
 
     assert counts == {"restored": 1, "expired": 1, "corrupt": 1, "lost": 1}
     [session] = store.snapshot()
