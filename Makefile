@@ -25,13 +25,14 @@ S3_URI         ?=
 ECR_REPOSITORY ?=
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: help venv dev archive serve stop test lint clean bench build-and-push deploy delete local-endpoint stress
+.PHONY: help venv dev archive serve stop test test-gpu bench-gpu lint clean bench build-and-push deploy delete local-endpoint stress
 
 help:
 	@echo "make serve   build the model archive and serve it on 127.0.0.1:8080 (MODEL=$(MODEL))"
 	@echo "make test    run the whole test suite"
 	@echo "make stress  soak ($(STRESS_CYCLES) open/ask/close cycles) and $(STRESS_SESSIONS) concurrent sessions; prints figures"
 	@echo "make bench   benchmark the session cache against the reference design (minutes)"
+	@echo "make test-gpu / bench-gpu   7B-shaped checks and figures on a CUDA machine (GPU_PY=python3 there)"
 	@echo "make local-endpoint      a local SageMaker runtime on 127.0.0.1:8090 in front of 2 TorchServes"
 	@echo "make build-and-push      build the SageMaker image, push it to ECR (REPOSITORY=$(REPOSITORY))"
 	@echo "make deploy IMAGE_URI=... ROLE_ARN=... BUCKET=...   upload MODEL=$(MODEL), deploy endpoint $(ENDPOINT)"
@@ -72,8 +73,21 @@ lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
+# LLAVA_GPU_LOGIC=cpu: the GPU suite (tests/gpu) runs its logic here, with tiny shapes.
 test: venv lint
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	LLAVA_GPU_LOGIC=cpu $(BIN)/python -m pytest -q -p no:cacheprovider
+
+# On a CUDA machine: 7B-shaped checkpoints built on the GPU in bf16, checked against transformers'
+# own pipeline (tests/gpu), then the figures (bench/gpu.py -> bench/results/gpu/). Where the
+# packages are preinstalled (a GPU image), GPU_PY=python3 uses them instead of the venv.
+GPU_PY ?= $(BIN)/python
+NO_CUDA = $(GPU_PY) -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null \
+	|| { echo "no CUDA device here: $@ skips (see README, Proving it on a GPU)"; exit 0; }
+test-gpu: $(if $(filter $(BIN)/python,$(GPU_PY)),venv)
+	@$(NO_CUDA); $(GPU_PY) -m pytest -q -s -p no:cacheprovider tests/gpu
+
+bench-gpu: $(if $(filter $(BIN)/python,$(GPU_PY)),venv)
+	@$(NO_CUDA); $(GPU_PY) bench/gpu.py $(BENCH_FLAGS)
 
 # The soak and load tests at full size; each prints its measured figures.
 STRESS_CYCLES   ?= 1000

