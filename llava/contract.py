@@ -67,6 +67,11 @@ class Engine(Protocol[StateT, TurnT]):
         """Free a session's state."""
         ...
 
+    def rollback(self, state: StateT) -> int:
+        """Undo the last question and answer (InvalidRequest if there is none to undo); return
+        the questions left."""
+        ...
+
     def snapshot(self, state: StateT, extra: dict[str, Any]) -> Callable[[], bytes] | None:
         """Capture what rebuilds a session (cheap, on the step thread); the returned call
         serialises it with `extra` on another thread. None: this engine keeps no snapshots."""

@@ -111,7 +111,14 @@ class CloseSession:
     session_id: str
 
 
-Request = OpenSession | Query | CloseSession | Generate
+@dataclass(frozen=True)
+class Rollback:
+    """Undo the session's last question and answer (to regenerate it, or ask another)."""
+
+    session_id: str
+
+
+Request = OpenSession | Query | CloseSession | Rollback | Generate
 
 
 def header(headers: Mapping[str, Any], name: str) -> str | None:
@@ -137,13 +144,14 @@ def parse_request(
     kind = obj.get("type")
     if kind is None:
         raise InvalidRequest(
-            'missing "type": use "open_session", "query", "close_session" or "generate"',
+            'missing "type": use "open_session", "query", "rollback", "close_session" or '
+            '"generate"',
             field="type",
         )
     parser = _PARSERS.get(kind) if isinstance(kind, str) else None
     if parser is None:
         raise InvalidRequest(
-            f'unknown "type" {str(kind)[:40]!r}: use "open_session", "query", '
+            f'unknown "type" {str(kind)[:40]!r}: use "open_session", "query", "rollback", '
             '"close_session" or "generate"',
             field="type",
         )
@@ -414,10 +422,16 @@ def _parse_close(obj: Mapping[str, Any], sid: str | None, limits: Limits) -> Clo
     return CloseSession(session_id=_require_session(sid, "close_session"))
 
 
+def _parse_rollback(obj: Mapping[str, Any], sid: str | None, limits: Limits) -> Rollback:
+    _check_fields(obj, set())
+    return Rollback(session_id=_require_session(sid, "rollback"))
+
+
 _PARSERS: dict[str, Callable[[Mapping[str, Any], str | None, Limits], Request]] = {
     "open_session": _parse_open,
     "query": _parse_query,
     "close_session": _parse_close,
+    "rollback": _parse_rollback,
     "generate": _parse_generate,
 }
 

@@ -41,6 +41,7 @@ from llava.protocol import (
     Limits,
     OpenSession,
     Query,
+    Rollback,
     parse_request,
 )
 from llava.replies import (
@@ -156,12 +157,25 @@ class SessionService(Generic[StateT, TurnT]):
                 self.store.end_turn(session)
                 raise
             return None
+        if isinstance(request, Rollback):
+            return self._rollback(request)
         assert isinstance(request, CloseSession)
         session = self.store.close(request.session_id)
         return Reply(
             _json({"session_id": session.id, "closed": True, "success": True}),
             headers={CLOSED_SESSION_HEADER: session.id},
         )
+
+    def _rollback(self, request: Rollback) -> Reply:
+        """Undo a session's last question and answer (a regenerate then reuses its cache)."""
+        session = self.store.begin_turn(request.session_id)
+        try:
+            turns = self.engine.rollback(session.state)
+            self._keep(session)
+        finally:
+            self.store.end_turn(session, self._nbytes(session))
+        body = {"session_id": session.id, "rolled_back": True, "turns": turns}
+        return Reply(_json(body))
 
     def _wait_if_idle(self, replies: dict[str, Reply]) -> None:
         if replies or any(not isinstance(w, Fetching) for w in self._work.values()):

@@ -229,6 +229,17 @@ class Session:
         if not done:
             raise TransportError("the stream ended before its final usage line")
 
+    def rollback(self) -> int:
+        """Undo the last question and answer on the server; return the questions left. Asking
+        the same question again (a regenerate) then costs only the new answer's tokens."""
+        self._check_open()
+        try:
+            obj = _json_body(self.client._call({"type": "rollback"}, self.id))
+        except SessionError as exc:
+            self._forget(exc)
+            raise
+        return int(obj.get("turns", 0))
+
     def close(self) -> None:
         """Close the session on the server; calling it again does nothing."""
         if self._closed:

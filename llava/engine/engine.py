@@ -393,6 +393,28 @@ class LlavaEngine:
             state.history = [*turn.past, Exchange(turn.prompt, turn.text, turn.added_images)]
 
     @torch.inference_mode()
+    def rollback(self, state: SessionState) -> int:
+        """Undo the last question and answer; keep the cache up to that question's end, so
+        asking it again costs only the new answer. Return the questions left."""
+        if not state.history:
+            raise InvalidRequest("the session has no answered question to roll back", field="type")
+        last = state.history[-1]
+        if last.added_images:
+            raise InvalidRequest(
+                "the last question added an image, which cannot be rolled back; open a new "
+                "session to ask it differently",
+                field="type",
+            )
+        state.history = state.history[:-1]
+        if state.cache is not None:
+            messages = self.chat.messages(state.system_prompt, state.history, last.prompt, 0)
+            ids = self.chat.tokenize(self.chat.render(messages), state.images.tokens)
+            keep = common_prefix(state.cache_ids, ids)
+            crop_to(state.cache, keep)
+            state.cache_ids = state.cache_ids[:keep]
+        return len(state.history)
+
+    @torch.inference_mode()
     def abort_turn(self, turn: Turn) -> None:
         """Drop an unfinished answer and roll the session's cache back to before it."""
         self.decoder.detach(turn)
