@@ -25,11 +25,12 @@ S3_URI         ?=
 ECR_REPOSITORY ?=
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: help venv dev archive serve stop test test-gpu bench-gpu lint clean bench build-and-push deploy delete local-endpoint stress
+.PHONY: help venv dev archive serve stop chat test test-gpu bench-gpu lint clean bench build-and-push deploy delete local-endpoint stress
 
 help:
 	@echo "make serve   build the model archive and serve it on 127.0.0.1:8080 (MODEL=$(MODEL))"
 	@echo "make test    run the whole test suite"
+	@echo "make chat    the chat page on 127.0.0.1:7860, beside a running make serve"
 	@echo "make stress  soak ($(STRESS_CYCLES) open/ask/close cycles) and $(STRESS_SESSIONS) concurrent sessions; prints figures"
 	@echo "make bench   benchmark the session cache against the reference design (minutes)"
 	@echo "make test-gpu / bench-gpu   7B-shaped checks and figures on a CUDA machine (GPU_PY=python3 there)"
@@ -45,7 +46,7 @@ $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==$(TORCH_VERSION)
-	$(BIN)/python -m pip install -q -e ".[engine,serve,aws,dev]"
+	$(BIN)/python -m pip install -q -e ".[engine,serve,aws,ui,dev]"
 	@touch $@
 
 venv: $(BIN)/.installed
@@ -57,6 +58,10 @@ serve: archive
 	@$(BIN)/python -m llava.quickstart --name $(NAME)
 	$(BIN)/torchserve --start --foreground --ncs --disable-token-auth \
 		--ts-config config.properties --model-store $(abspath $(STORE)) --models $(NAME)=$(abspath $(STORE))/$(NAME)
+
+# The chat page beside a running `make serve` (or: python -m llava chat --endpoint NAME).
+chat: venv
+	$(BIN)/python -m llava chat --url http://127.0.0.1:8080/predictions/$(NAME)
 
 local-endpoint: archive
 	$(BIN)/python -m llava local-endpoint --model-store $(STORE) --model $(NAME)

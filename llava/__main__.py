@@ -48,6 +48,12 @@ def _delete(args: argparse.Namespace) -> None:
     run_delete(args)
 
 
+def _chat(args: argparse.Namespace) -> None:
+    from llava.chat_page.app import serve
+
+    serve(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Describe every command and its options."""
     parser = argparse.ArgumentParser(prog="python -m llava", description=__doc__)
@@ -77,6 +83,19 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--model-store", default="model-store")
     local.add_argument("--model", default="llava", help="model name in the model store")
     local.set_defaults(run=_local_endpoint)
+
+    chat = commands.add_parser(
+        "chat", help="a chat page (Gradio) over an endpoint: needs the ui extra"
+    )
+    target = chat.add_mutually_exclusive_group(required=True)
+    target.add_argument(
+        "--url", help="a TorchServe URL, e.g. http://127.0.0.1:8080/predictions/llava"
+    )
+    target.add_argument("--endpoint", help="a SageMaker endpoint name (or a local runtime's)")
+    chat.add_argument("--region", default=None, help="the endpoint's AWS region")
+    chat.add_argument("--host", default="127.0.0.1")
+    chat.add_argument("--port", type=int, default=7860)
+    chat.set_defaults(run=_chat)
 
     from llava.deploy import add_delete_arguments, add_deploy_arguments
 

@@ -61,6 +61,8 @@ class SessionOpener(Generic[StateT, TurnT]):
         try:
             prepared, key = work.image.result()
             state = self.engine.new_session(prepared, request.system_prompt)
+            if isinstance(request, OpenSession) and request.history:
+                self.engine.replay(state, list(request.history))
             turn = self.engine.start_open(state)
         except BaseException as exc:
             self._cancel(work.slot, state)

@@ -69,6 +69,9 @@ class OpenSession:
 
     image: str = field(repr=False)
     system_prompt: str | None = None
+    # earlier (question, answer) pairs the session starts with: a conversation carried over
+    # from a session that expired or was lost (prefilled with the first question)
+    history: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -328,7 +331,7 @@ def flag_field(obj: Mapping[str, Any], name: str, default: bool) -> bool:
 
 
 def _parse_open(obj: Mapping[str, Any], sid: str | None, limits: Limits) -> OpenSession:
-    _check_fields(obj, {"image", "system_prompt"})
+    _check_fields(obj, {"image", "system_prompt", "history"})
     if sid is not None:
         raise InvalidRequest(
             f'"open_session" starts a new session: send {SESSION_HEADER}: {NEW_SESSION} or none',
@@ -336,7 +339,7 @@ def _parse_open(obj: Mapping[str, Any], sid: str | None, limits: Limits) -> Open
         )
     image = _required(obj, "image", limits.max_body_bytes)
     system_prompt = _text(obj, "system_prompt", limits.max_system_prompt_chars, required=False)
-    return OpenSession(image=image, system_prompt=system_prompt)
+    return OpenSession(image=image, system_prompt=system_prompt, history=_history(obj, limits))
 
 
 def _require_session(sid: str | None, kind: str) -> str:

@@ -86,7 +86,10 @@ class SessionClient:
         )
 
     def session(
-        self, image: str | os.PathLike[str] | bytes, system_prompt: str | None = None
+        self,
+        image: str | os.PathLike[str] | bytes,
+        system_prompt: str | None = None,
+        history: list[tuple[str, str]] | None = None,
     ) -> Session:
         """Open a session on one image and return it (a context manager that closes it).
 
@@ -96,6 +99,8 @@ class SessionClient:
         body: dict[str, Any] = {"type": "open_session", "image": image_ref(image)}
         if system_prompt is not None:
             body["system_prompt"] = system_prompt
+        if history:  # a conversation carried over: the session starts with it
+            body["history"] = [list(pair) for pair in history]
         response = self._call(body, NEW_SESSION)
         obj = _json_body(response)
         value = response.header(NEW_SESSION_HEADER) or response.header(SESSION_HEADER) or ""
