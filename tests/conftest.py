@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -13,3 +14,12 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from llava.tiny import build_checkpoint
 
     return build_checkpoint(tmp_path_factory.mktemp("models") / "tiny", profile="tiny")
+
+
+@pytest.hookimpl(tryfirst=True, hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: Any) -> Any:
+    """Keep each phase's report on the test item (`item.rep_call`): fixtures that save
+    evidence of a failure (the browser test's screenshot) read it."""
+    outcome = yield
+    report = outcome.get_result()
+    setattr(item, f"rep_{report.when}", report)

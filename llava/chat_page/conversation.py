@@ -46,11 +46,10 @@ class Conversation:
     stopping: bool = False  # the page asked to stop the answer being streamed
 
     def start(self, image: str | None, system_prompt: str | None) -> None:
-        """Begin a new conversation (closing the old session) about `image`."""
+        """Begin a new conversation about `image`: the old session is closed now, the new one
+        opens with the first question (an image picked and replaced opens nothing)."""
         self.close()
         self.image, self.system_prompt, self.turns, self.usage = image, system_prompt, [], {}
-        if image is not None:
-            self.session = self.client.session(image, system_prompt=system_prompt)
 
     def ask(self, prompt: str, settings: Settings) -> Iterator[str]:
         """Stream the answer to `prompt` (the text so far, growing); the turn is kept once the
