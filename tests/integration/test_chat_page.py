@@ -161,6 +161,8 @@ def test_chat_in_a_real_browser(page: Any, torchserve: TorchServe, tmp_path: Pat
     lengths = page.evaluate("window.lengths")
     assert len({n for n in lengths if n}) >= 3, lengths  # seen growing, not all at once
     assert bot_messages(page) and bot_messages(page)[-1].strip()
+    if os.environ.get("LLAVA_CHAT_SCREENSHOT"):  # the README's picture of the page
+        page.screenshot(path=os.environ["LLAVA_CHAT_SCREENSHOT"], full_page=True)
     session = RecordingClient.opened[-1]
     assert all(earlier.closed for earlier in RecordingClient.opened[:-1])
 
@@ -183,9 +185,7 @@ def test_chat_in_a_real_browser(page: Any, torchserve: TorchServe, tmp_path: Pat
 
     # A new conversation closes the session and opens another.
     page.click("#new")
-    page.wait_for_function(
-        "document.querySelectorAll('#chat [data-testid=\"bot\"]').length === 0"
-    )
+    page.wait_for_function("document.querySelectorAll('#chat [data-testid=\"bot\"]').length === 0")
     assert session.closed
     r = httpx.post(
         torchserve.url("/predictions/llava"),

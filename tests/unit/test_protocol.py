@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -670,6 +672,31 @@ def test_pure_layers_do_not_import_torch() -> None:
     )
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == ""
+
+
+def test_the_server_never_imports_the_chat_page_or_gradio() -> None:
+    code = (
+        "import sys\n"
+        "import llava.torchserve, llava.service, llava.engine, llava.local_runtime\n"
+        "import importlib; importlib.import_module('llava_handler')\n"
+        "print(','.join(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('gradio', 'llava.chat_page') or m.startswith('llava.chat_page'))))\n"
+    )
+    handler_dir = Path(__file__).resolve().parents[2] / "handler"
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{handler_dir}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env=env,
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == ""
