@@ -29,10 +29,11 @@ from llava.chat_completions import (
     check_same_chat,
 )
 from llava.contract import Engine, StateT, TurnT
-from llava.errors import KitError, OutOfDeviceMemory
+from llava.errors import KitError
 from llava.images.background import BackgroundImages, ImageSource
 from llava.inflight import Answering, Fetching, Opening
 from llava.opening import SessionOpener
+from llava.out_of_memory import step_with_retry
 from llava.protocol import (
     CLOSED_SESSION_HEADER,
     NEW_SESSION,
@@ -290,7 +291,7 @@ class SessionService(Generic[StateT, TurnT]):
         running = [(r, w) for r, w in self._work.items() if not isinstance(w, Fetching)]
         if not running:
             return {}
-        errors = self._step_turns([w.turn for _, w in running])
+        errors = step_with_retry(self.engine, self.store, [w.turn for _, w in running])
         replies: dict[str, Reply] = {}
         for i, (request_id, work) in enumerate(running):
             reply: Reply | None
@@ -310,36 +311,6 @@ class SessionService(Generic[StateT, TurnT]):
             if reply is not None:
                 replies[request_id] = reply
         return replies
-
-    def _step_turns(self, turns: list[TurnT]) -> dict[int, BaseException]:
-        """One engine step; turns that ran out of device memory get one retry after the
-        engine and the idle sessions have freed what they can (failed forwards roll back)."""
-        if all(turn.done for turn in turns):
-            return {}
-        try:
-            errors = self.engine.step(turns)
-        except Exception as exc:  # the engine could not even isolate the failure
-            return dict.fromkeys(range(len(turns)), exc)
-        short = [i for i, exc in errors.items() if self.engine.out_of_memory(exc)]
-        if not short:
-            return errors
-        log.warning("%d request(s) ran out of device memory; freeing memory, retrying", len(short))
-        try:
-            self.engine.free_memory()
-            self.store.relieve()
-            again = self.engine.step([turns[i] for i in short])
-        except Exception as failure:
-            again = dict.fromkeys(range(len(short)), failure)
-        for i in short:
-            errors.pop(i)
-        for j, error in again.items():
-            if self.engine.out_of_memory(error):
-                error = OutOfDeviceMemory(
-                    "the GPU ran out of memory for this request, even after moving idle "
-                    "sessions to host memory; retry shortly, or lower device_budget_mb"
-                )
-            errors[short[j]] = error
-        return errors
 
     def _advance_open(
         self, request_id: str, work: Opening[StateT, TurnT], error: BaseException | None

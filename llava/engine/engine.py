@@ -34,17 +34,18 @@ from transformers import DynamicCache
 
 from llava.config import ServerConfig
 from llava.engine import snapshot, tiers
-from llava.engine.cache import crop_to, new_cache
+from llava.engine.cache import crop_to
 from llava.engine.calibrate import calibrate
 from llava.engine.chat import ChatFormatter, Exchange, common_prefix
 from llava.engine.decoding import Decoder
+from llava.engine.forward import forward
 from llava.engine.imageset import EMPTY, ImageEncoder, ImageSet, PreparedImages
 from llava.engine.loading import load_model, load_processor, resolve_devices
 from llava.engine.sampling import Detokenizer, make_generator
 from llava.engine.scheduler import Pending, plan_step
 from llava.engine.selfcheck import self_check
 from llava.engine.state import Replica, SessionState, Tier, Turn
-from llava.engine.vision import embed, image_token_id, tower_ratio
+from llava.engine.vision import image_token_id, tower_ratio
 from llava.errors import InvalidRequest
 from llava.families import check_model_type, checkpoint_family
 from llava.protocol import GenerationParams
@@ -262,16 +263,7 @@ class LlavaEngine:
         history: bool = True,
     ) -> Turn:
         """Bring the session's cache back, keep its first `common` ids and plan the rest."""
-        found = tiers.restore(state, self.num_layers, keeps_kv=self.keeps_kv)
-        # At least the last id is fed again: its logits give the first answer token.
-        if not self.keeps_kv:
-            cache = new_cache(self.num_layers)
-        elif history:
-            cache = state.cache
-            crop_to(cache, common)  # drop what re-tokenization no longer matches
-            state.cache_ids = state.cache_ids[:common]
-        else:
-            cache = tiers.prefix_copy(state.cache, common, self.num_layers)
+        cache, found = tiers.for_turn(state, common, self.num_layers, self.keeps_kv, history)
         tower = self.images.pending_tokens(images)
         if images.processed is not None:  # pixels mode: the tower runs for every answer
             tower = images.processed.total
@@ -364,20 +356,9 @@ class LlavaEngine:
         features: torch.Tensor | None,
         offset: int,
     ) -> torch.Tensor:
-        """Feed ids (image tokens from `features[offset:]`); return the last logits row.
-
-        Transactional: if the forward fails, every layer of the cache is cut back.
-        """
-        before = cache.get_seq_length()
-        try:
-            embeds = embed(replica.model, ids, self.image_token_id, features, offset)
-            out = replica.model(
-                inputs_embeds=embeds, past_key_values=cache, use_cache=True, logits_to_keep=1
-            )
-        except BaseException:
-            crop_to(cache, before)
-            raise
-        return out.logits[0, -1]
+        """Feed ids (image tokens from `features[offset:]`); return the last logits row
+        (transactional: a forward that fails cuts every layer of the cache back)."""
+        return forward(replica.model, cache, ids, self.image_token_id, features, offset)
 
     @torch.inference_mode()
     def finish_turn(self, turn: Turn) -> None:
@@ -394,25 +375,8 @@ class LlavaEngine:
 
     @torch.inference_mode()
     def rollback(self, state: SessionState) -> int:
-        """Undo the last question and answer; keep the cache up to that question's end, so
-        asking it again costs only the new answer. Return the questions left."""
-        if not state.history:
-            raise InvalidRequest("the session has no answered question to roll back", field="type")
-        last = state.history[-1]
-        if last.added_images:
-            raise InvalidRequest(
-                "the last question added an image, which cannot be rolled back; open a new "
-                "session to ask it differently",
-                field="type",
-            )
-        state.history = state.history[:-1]
-        if state.cache is not None:
-            messages = self.chat.messages(state.system_prompt, state.history, last.prompt, 0)
-            ids = self.chat.tokenize(self.chat.render(messages), state.images.tokens)
-            keep = common_prefix(state.cache_ids, ids)
-            crop_to(state.cache, keep)
-            state.cache_ids = state.cache_ids[:keep]
-        return len(state.history)
+        """Undo the last question and answer; return the questions left (see tiers.rollback)."""
+        return tiers.rollback(state, self.chat)
 
     @torch.inference_mode()
     def abort_turn(self, turn: Turn) -> None:

@@ -122,12 +122,13 @@ def ask(page: Any, question: str) -> None:
 def usage(page: Any, previous: str = "") -> str:
     """Wait for a new usage line under the answer; return it."""
     page.wait_for_function(
-        "prev => { const t = document.querySelector('#usage').innerText;"
-        " return t.includes('time to first token') && !t.includes('processing') && t !== prev; }",
+        "prev => { const t = document.querySelector('#usage').innerText.trim();"
+        " return /^time to first token \\d+ ms · \\d+ tokens generated · \\d+ reused from the"
+        " session · \\d+ prefilled$/.test(t) && t !== prev; }",
         arg=previous,
         timeout=60_000,
     )
-    return page.inner_text("#usage")
+    return page.inner_text("#usage").strip()
 
 
 def bot_messages(page: Any) -> list[str]:
@@ -203,8 +204,8 @@ def test_chat_in_a_real_browser(page: Any, torchserve: TorchServe, tmp_path: Pat
     time.sleep(TTL_S + 1.0)  # the subject is time passing: idle past the TTL (and a reaper run)
     ask(page, "And the colors?")
     usage(page, line)
-    page.wait_for_function(
-        "!document.querySelector('#notice').innerText.includes('processing')", timeout=30_000
+    page.wait_for_function(  # the notice is written with the answer's last update
+        "/reopened|Error/.test(document.querySelector('#notice').innerText)", timeout=30_000
     )
     notice = page.inner_text("#notice")
     assert "reopened with the same image and conversation" in notice, notice
