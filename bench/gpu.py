@@ -95,8 +95,9 @@ def summary(out: Path, gpu: str, profile: str, extra: dict[str, Any]) -> str:
     turns = figures["turns"]
     loads = json.loads((out / "load.json").read_text())
     lines = [
-        f"Measured on **{gpu}**, `{profile}` (random weights, real shapes, bf16), through "
-        "TorchServe:",
+        f"Measured on **{gpu}**, `{profile}` (random weights; "
+        + ("real shapes, bf16" if profile == PROFILE else "tiny shapes, float32")
+        + "), through TorchServe:",
         "",
         "| turn | stateless TTFT | pixel cache TTFT | session TTFT |",
         "|---:|---:|---:|---:|",
