@@ -245,7 +245,7 @@ def test_unsupported_model_types_are_refused_before_loading(tmp_path):
 
 def test_worker_start_fails_when_image_features_are_silently_ignored(engine, monkeypatch):
     """How an older LlavaModel.forward behaved: features dropped, no error, wrong answers."""
-    from llava.engine import engine as engine_module
+    from llava.engine import forward as forward_module
 
     def embed_without_image(model, ids, token_id, features, offset):
         import torch
@@ -253,6 +253,6 @@ def test_worker_start_fails_when_image_features_are_silently_ignored(engine, mon
         return model.get_input_embeddings()(torch.tensor([ids]))
 
     engine.self_check()  # the real path passes
-    monkeypatch.setattr(engine_module, "embed", embed_without_image)
+    monkeypatch.setattr(forward_module, "embed", embed_without_image)
     with pytest.raises(RuntimeError, match=r"transformers 5\.\d+.*pyproject\.toml"):
         engine.self_check()
