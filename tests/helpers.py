@@ -161,3 +161,28 @@ def _load_processor(checkpoint: Path) -> Any:
             return ["image_processor", "tokenizer"]
 
     return NoVideo.from_pretrained(checkpoint)
+
+
+Row = tuple[str, dict[str, Any], dict[str, str]]  # request id, body, headers
+
+
+def serve_rows(service: Any, rows: list[Row], max_steps: int = 2000) -> dict[str, Any]:
+    """Step an in-process SessionService until every row has its whole reply; return
+    (status, JSON body) by request id (bodies go out on a request's first step only)."""
+    from llava.service import Incoming
+
+    bodies: dict[str, Any] = {}
+    sent: set[str] = set()
+    for _ in range(max_steps):
+        waiting = [row for row in rows if row[0] not in bodies]
+        if not waiting:
+            return bodies
+        batch = [
+            Incoming(rid, None if rid in sent else json.dumps(body).encode(), headers)
+            for rid, body, headers in waiting
+        ]
+        sent.update(rid for rid, _, _ in waiting)
+        for (rid, _, _), reply in zip(waiting, service.step(batch), strict=True):
+            if reply is not None:
+                bodies[rid] = (reply.status, json.loads(reply.body))
+    raise AssertionError("the service never answered")

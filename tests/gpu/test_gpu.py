@@ -7,7 +7,6 @@ shapes when `LLAVA_GPU_LOGIC=cpu` (the test of their logic), else they skip.
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ import httpx
 import pytest
 import torch
 from gpu_setting import Setting
-from helpers import Reference, data_uri, make_image
+from helpers import Reference, data_uri, make_image, serve_rows
 
 from llava.archive import build_archive
 from llava.config import ServerConfig
@@ -24,7 +23,7 @@ from llava.engine import LlavaEngine, Tier
 from llava.engine.memory import TieredMemory
 from llava.launcher import TorchServe
 from llava.protocol import SESSION_HEADER, GenerationParams
-from llava.service import Incoming, SessionService
+from llava.service import SessionService
 from llava.sessions import SessionStore
 
 TOKENS = 12
@@ -90,23 +89,6 @@ def test_tiers_device_to_pinned_host_to_features_and_back(family, gpu: Setting) 
     engine.release(state)
 
 
-def serve(service: SessionService, rows: list[tuple[str, dict, dict]]) -> dict[str, Any]:
-    """Step the service until every row is answered; return (status, body) by request id."""
-    bodies: dict[str, Any] = {}
-    sent: set[str] = set()
-    while len(bodies) < len(rows):
-        waiting = [row for row in rows if row[0] not in bodies]
-        batch = [
-            Incoming(rid, None if rid in sent else json.dumps(body).encode(), headers)
-            for rid, body, headers in waiting
-        ]
-        sent.update(rid for rid, _, _ in waiting)
-        for (rid, _, _), reply in zip(waiting, service.step(batch), strict=True):
-            if reply is not None:
-                bodies[rid] = (reply.status, json.loads(reply.body))
-    return bodies
-
-
 class Images:
     """`https://images.test/<i>` loads image(i), on the service's image threads."""
 
@@ -127,7 +109,7 @@ def test_a_real_out_of_memory_error_leaves_every_session_intact(family, gpu: Set
             (f"o{i}", {"type": "open_session", "image": f"https://images.test/{i}"}, {})
             for i in range(4)
         ]
-        sids = [serve(service, opens)[f"o{i}"][1]["session_id"] for i in range(4)]
+        sids = [serve_rows(service, opens)[f"o{i}"][1]["session_id"] for i in range(4)]
         question = "Describe every detail. " * 60  # a long prefill: large activations
         header = {SESSION_HEADER: sids[0]}
         torch.cuda.synchronize()
@@ -135,7 +117,7 @@ def test_a_real_out_of_memory_error_leaves_every_session_intact(family, gpu: Set
         blocker = torch.empty(free - (64 << 20), dtype=torch.uint8, device="cuda")
         try:
             asked = {"type": "query", "prompt": question, "max_new_tokens": TOKENS}
-            status, body = serve(service, [("q", asked, header)])["q"]
+            status, body = serve_rows(service, [("q", asked, header)])["q"]
         finally:
             del blocker
             torch.cuda.empty_cache()
@@ -149,7 +131,7 @@ def test_a_real_out_of_memory_error_leaves_every_session_intact(family, gpu: Set
         for i, sid in enumerate(sids):
             past = [question] if i == 0 and status == 200 else []
             asked = {"type": "query", "prompt": PROMPTS[0], "max_new_tokens": TOKENS}
-            got, answer = serve(service, [(f"a{i}", asked, {SESSION_HEADER: sid})])[f"a{i}"]
+            got, answer = serve_rows(service, [(f"a{i}", asked, {SESSION_HEADER: sid})])[f"a{i}"]
             assert got == 200, answer
             expected = reference.answers(image(i), [*past, PROMPTS[0]], TOKENS)
             assert answer["text"] == expected[-1], i

@@ -8,20 +8,19 @@ decode and a batched decode. Every session is then compared with the model's own
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import pytest
 import torch
-from helpers import Reference, make_image
+from helpers import Reference, make_image, serve_rows
 
 from llava.config import ServerConfig
 from llava.engine import LlavaEngine, Tier
 from llava.engine.memory import TieredMemory
 from llava.protocol import GenerationParams
-from llava.service import Incoming, SessionService
+from llava.service import SessionService
 from llava.sessions import SessionStore
 
 GREEDY = GenerationParams(max_new_tokens=8)
@@ -210,25 +209,6 @@ class SeededImages:
         return make_image(int(ref.rsplit("/", 1)[1]))
 
 
-def serve(engine: LlavaEngine, rows: list[tuple[str, dict[str, Any], dict[str, str]]], svc):
-    """Step the service until every row has its whole reply; return the bodies by request id."""
-    bodies: dict[str, Any] = {}
-    sent: set[str] = set()
-    for _ in range(2000):
-        waiting = [row for row in rows if row[0] not in bodies]
-        if not waiting:
-            return bodies
-        batch = [
-            Incoming(rid, None if rid in sent else json.dumps(body).encode(), headers)
-            for rid, body, headers in waiting
-        ]
-        sent.update(rid for rid, _, _ in waiting)
-        for (rid, _, _), reply in zip(waiting, svc.step(batch), strict=True):
-            if reply is not None:
-                bodies[rid] = (reply.status, json.loads(reply.body))
-    raise AssertionError("the service never answered")
-
-
 def test_out_of_memory_frees_idle_sessions_and_retries_once(engine, reference) -> None:
     memory = TieredMemory(engine, None, None)
     store = SessionStore(memory=memory, release=lambda s, r: engine.release(s.state))
@@ -238,27 +218,25 @@ def test_out_of_memory_frees_idle_sessions_and_retries_once(engine, reference) -
             (f"o{i}", {"type": "open_session", "image": f"https://images.test/{30 + i}"}, {})
             for i in range(3)
         ]
-        opened = serve(engine, opens, service)  # by request id (they finish in any order)
+        opened = serve_rows(service, opens)  # by request id (they finish in any order)
         sids = [opened[f"o{i}"][1]["session_id"] for i in range(3)]
         asked = {"type": "query", "prompt": PROMPTS[0], "max_new_tokens": 8}
         header = {"X-Amzn-SageMaker-Session-Id": sids[0]}
         oom = torch.OutOfMemoryError("CUDA out of memory (injected)")
         with fault(engine, single_decode, oom) as fired:
-            status, body = serve(engine, [("q", asked, header)], service)["q"]
+            status, body = serve_rows(service, [("q", asked, header)])["q"]
         assert len(fired) == 1 and status == 200
         assert body["text"] == reference.answers(make_image(30), PROMPTS[:1], 8)[0]
         idle = [store.get(sid).state.tier for sid in sids[1:]]
         assert idle == [Tier.HOST, Tier.HOST]  # moved off the device to make room
 
         with fault(engine, single_decode, oom, times=5) as fired:  # the retry runs out too
-            status, body = serve(engine, [("q2", asked | {"prompt": PROMPTS[1]}, header)], service)[
+            status, body = serve_rows(service, [("q2", asked | {"prompt": PROMPTS[1]}, header)])[
                 "q2"
             ]
         assert len(fired) == 2 and status == 503
         assert body["error"]["code"] == "out_of_device_memory"
-        status, body = serve(engine, [("q3", asked | {"prompt": PROMPTS[1]}, header)], service)[
-            "q3"
-        ]
+        status, body = serve_rows(service, [("q3", asked | {"prompt": PROMPTS[1]}, header)])["q3"]
         assert body["text"] == reference.answers(make_image(30), PROMPTS[:2], 8)[1]
     finally:
         service.close()
