@@ -46,8 +46,7 @@ def build_app(make_client: Callable[[], SessionClient], endpoint: str) -> Any:
                     yield chat, state, "", "Stopped: that answer was dropped from the conversation."
                     return
                 yield [*asked, {"role": "assistant", "content": text}], state, "", state.notice
-        except (KitError, ValueError) as exc:
-            chat = chat[:-1]
+        except (KitError, ValueError) as exc:  # the page shows the chat as before the question
             yield chat, state, "", f"**Error:** {exc}"
             return
         yield (
