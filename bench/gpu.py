@@ -92,30 +92,14 @@ def summary(out: Path, gpu: str, profile: str, extra: dict[str, Any]) -> str:
     """The README's table, from the JSON the runs wrote."""
     bench = json.loads((out / "bench.json").read_text())["results"]
     [figures] = bench.values()
-    turns = figures["turns"]
     loads = json.loads((out / "load.json").read_text())
     lines = [
         f"Measured on **{gpu}**, `{profile}` (random weights; "
         + ("real shapes, bf16" if profile == PROFILE else "tiny shapes, float32")
         + "), through TorchServe:",
         "",
-        "| turn | stateless TTFT | pixel cache TTFT | session TTFT |",
-        "|---:|---:|---:|---:|",
+        run.table(f"{profile} / torchserve", figures),
     ]
-    for st, px, se in zip(*(turns[s] for s in run.STRATEGIES), strict=True):
-        lines.append(
-            f"| {se['turn']} | {st['ttft_ms']:.1f} ms | {px['ttft_ms']:.1f} ms "
-            f"| {se['ttft_ms']:.1f} ms |"
-        )
-    lines += ["", "| sessions | decode tok/s one at a time | concurrent | speed-up |"]
-    lines.append("|---:|---:|---:|---:|")
-    by = {(row["sessions"], row["mode"]): row for row in figures["load"]}
-    for n in sorted({row["sessions"] for row in figures["load"]}):
-        seq, con = by[(n, "sequential")], by[(n, "concurrent")]
-        lines.append(
-            f"| {n} | {seq['tokens_per_s']:.0f} | {con['tokens_per_s']:.0f} "
-            f"| {con['tokens_per_s'] / seq['tokens_per_s']:.2f}x |"
-        )
     lines += ["", load.table(loads), ""]
     lines.append(
         "Session bytes (device + host, from `usage.session_bytes`): "

@@ -22,8 +22,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
@@ -47,13 +45,6 @@ def ask(client: Client, sid: str, prompt: str) -> tuple[float, dict[str, Any]]:
     return usage["ttft_ms"], usage
 
 
-def worker_pid(ts: Any) -> tuple[int, str]:
-    r = httpx.get(f"http://127.0.0.1:{ts.management_port}/models/{ts.model}", timeout=10)
-    [model] = r.json()
-    [only] = model["workers"]
-    return int(only["pid"]), only["status"]
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="llava15")
@@ -74,20 +65,11 @@ def main(argv: list[str] | None = None) -> None:
                 ask(client, sid, prompt)
         normal = [ask(client, sid, PROMPTS[2]) for sid in sids]
         snapshot_bytes = [usage["snapshot_bytes"] for _, usage in normal]
-        pid, _ = worker_pid(ts)
+        pid = ts.worker()["pid"]
         print(f"killing worker {pid}", file=sys.stderr)
         os.kill(pid, signal.SIGKILL)
         began = time.monotonic()
-        while True:
-            try:
-                new_pid, status = worker_pid(ts)
-                if new_pid != pid and status == "READY":
-                    break
-            except (httpx.HTTPError, ValueError):
-                pass
-            if time.monotonic() - began > 900:
-                raise RuntimeError("the worker did not come back:\n" + ts.log_tail(40))
-            time.sleep(0.2)
+        ts.wait_for_new_worker(pid, timeout_s=900)
         restart_s = time.monotonic() - began
         after = [ask(client, sid, PROMPTS[0]) for sid in sids]
         settled = [ask(client, sid, PROMPTS[1]) for sid in sids]

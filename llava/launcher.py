@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -159,6 +160,27 @@ class TorchServe:
             stderr=subprocess.DEVNULL,
             check=False,
         )
+
+    def worker(self) -> dict[str, Any]:
+        """Return the model's one worker as the management API describes it (pid, status)."""
+        r = httpx.get(f"http://127.0.0.1:{self.management_port}/models/{self.model}", timeout=10)
+        r.raise_for_status()
+        [model] = r.json()
+        [only] = model["workers"]
+        return dict(only)
+
+    def wait_for_new_worker(self, old_pid: int, timeout_s: float = 120) -> dict[str, Any]:
+        """Poll until a worker other than `old_pid` is READY (TorchServe restarts a dead one)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                now = self.worker()
+                if now["pid"] != old_pid and now["status"] == "READY":
+                    return now
+            except (httpx.HTTPError, ValueError):
+                pass  # the frontend answers oddly while the worker restarts
+            time.sleep(0.2)
+        raise RuntimeError("TorchServe did not restart the worker:\n" + self.log_tail(60))
 
     def logs(self) -> str:
         """Return the frontend and worker logs."""

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
 import pytest
 from helpers import Reference
 
@@ -65,27 +63,11 @@ def running_servers(
             ts.stop()
 
 
-def worker(ts: TorchServe) -> dict:
-    """Return the model's one worker as the management API describes it (pid, status)."""
-    r = httpx.get(f"http://127.0.0.1:{ts.management_port}/models/{ts.model}", timeout=10)
-    r.raise_for_status()
-    [model] = r.json()
-    [only] = model["workers"]
-    return only
-
-
-def wait_for_new_worker(ts: TorchServe, old_pid: int, timeout_s: float = 120) -> dict:
-    """Poll the management API until a worker other than `old_pid` is READY."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            now = worker(ts)
-            if now["pid"] != old_pid and now["status"] == "READY":
-                return now
-        except (httpx.HTTPError, ValueError):
-            pass
-        time.sleep(0.2)
-    raise AssertionError("TorchServe did not restart the worker:\n" + ts.log_tail(60))
+@contextmanager
+def served(store: Path, workdir: Path, **env: str) -> Iterator[TorchServe]:
+    """A TorchServe of its own for a test module (its settings in `env`), stopped after."""
+    with TorchServe(store, "llava", workdir=workdir, env=env) as ts:
+        yield ts
 
 
 def assert_no_worker_death(server: TorchServe) -> None:

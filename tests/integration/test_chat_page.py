@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import start_server
+from conftest import served
 from helpers import make_image
 
 from llava.client import Session, SessionClient
@@ -54,16 +54,13 @@ class RecordingClient(SessionClient):
 
 @pytest.fixture(scope="module")
 def torchserve(model_store, tmp_path_factory) -> Iterator[TorchServe]:
-    ts = start_server(
+    with served(
         model_store,
         tmp_path_factory.mktemp("chat"),
         LLAVA_SESSION_TTL_S=str(TTL_S),
         LLAVA_REAPER_INTERVAL_S="0.2",
-    )
-    try:
+    ) as ts:
         yield ts
-    finally:
-        ts.stop()
 
 
 @pytest.fixture(scope="module")

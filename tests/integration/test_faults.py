@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from conftest import assert_no_worker_death, start_server, wait_for_new_worker, worker
+from conftest import assert_no_worker_death, served
 from helpers import ask, data_uri, make_image, open_session, post
 from PIL import Image
 
@@ -32,16 +32,13 @@ MAX_SESSIONS = 2
 
 @pytest.fixture(scope="module")
 def faults(model_store, tmp_path_factory) -> Iterator[TorchServe]:
-    ts = start_server(
+    with served(
         model_store,
         tmp_path_factory.mktemp("faults"),
         LLAVA_MAX_SESSIONS=str(MAX_SESSIONS),
         LLAVA_SNAPSHOT_DIR="off",  # sessions die with their worker (test_restart: they don't)
-    )
-    try:
+    ) as ts:
         yield ts
-    finally:
-        ts.stop()
 
 
 @pytest.fixture()
@@ -173,12 +170,12 @@ def test_a_dead_workers_sessions_answer_session_lost(faults, client):
     url = faults.url("/predictions/llava")
     sids = [open_session(client, url, data_uri(make_image(200 + i))) for i in range(2)]
     ask(client, url, sids[0], "What is this?", max_new_tokens=4)
-    before = worker(faults)
+    before = faults.worker()
     assert before["status"] == "READY"
 
     os.kill(before["pid"], signal.SIGKILL)
     started = time.monotonic()
-    now = wait_for_new_worker(faults, before["pid"])
+    now = faults.wait_for_new_worker(before["pid"])
     restart_s = time.monotonic() - started
     print(f"\nworker {before['pid']} killed; worker {now['pid']} ready after {restart_s:.1f} s")
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import start_server, wait_for_new_worker, worker
+from conftest import served
 from helpers import Reference, ask, data_uri, make_image, open_session, post
 
 from llava.launcher import TorchServe
@@ -39,11 +39,8 @@ def reference(tiny_checkpoint) -> Reference:
 
 @pytest.fixture(scope="module")
 def restartable(model_store, tmp_path_factory) -> Iterator[TorchServe]:
-    ts = start_server(model_store, tmp_path_factory.mktemp("restart"))
-    try:
+    with served(model_store, tmp_path_factory.mktemp("restart")) as ts:
         yield ts
-    finally:
-        ts.stop()
 
 
 def snapshot_files(ts: TorchServe) -> list[Path]:
@@ -88,13 +85,13 @@ def test_sessions_survive_a_killed_worker(restartable, reference) -> None:
         streamer = threading.Thread(target=stream_until_cut, args=(url, sids[3], started, lines))
         streamer.start()
         assert started.wait(60)
-        before = worker(ts)
+        before = ts.worker()
         os.kill(before["pid"], signal.SIGKILL)
         streamer.join(120)
         assert not any("usage" in line for line in lines), "the stream finished before the kill"
 
         began = time.monotonic()
-        wait_for_new_worker(ts, before["pid"])
+        ts.wait_for_new_worker(before["pid"])
         restart_s = time.monotonic() - began
 
         for i, sid in enumerate(sids):

@@ -35,10 +35,7 @@ def worker_process(ts: TorchServe, timeout_s: float = 30) -> psutil.Process:
     """
     deadline = time.monotonic() + timeout_s
     while True:
-        r = httpx.get(f"http://127.0.0.1:{ts.management_port}/models/{ts.model}", timeout=10)
-        r.raise_for_status()
-        [model] = r.json()
-        [worker] = model["workers"]
+        worker = ts.worker()
         if worker["pid"] > 0 or time.monotonic() > deadline:
             return psutil.Process(worker["pid"])
         time.sleep(0.2)

@@ -16,7 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
-from conftest import assert_no_worker_death, start_server
+from conftest import assert_no_worker_death, served
 from helpers import ask, data_uri, make_image, open_session, post
 
 from llava.launcher import TorchServe
@@ -72,18 +72,15 @@ def dripping() -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def stalled(model_store, tmp_path_factory) -> Iterator[TorchServe]:
-    ts = start_server(
+    with served(
         model_store,
         tmp_path_factory.mktemp("stalled"),
         LLAVA_MAX_SESSIONS=str(MAX_SESSIONS),
         LLAVA_IMAGE_ALLOW_HTTP="true",
         LLAVA_IMAGE_ALLOW_HOSTS="127.0.0.1",
         LLAVA_IMAGE_TIMEOUT_S=str(DEADLINE_S),
-    )
-    try:
+    ) as ts:
         yield ts
-    finally:
-        ts.stop()
 
 
 def test_stalled_images_fail_by_their_deadline_and_hold_up_no_one(stalled, dripping) -> None:
