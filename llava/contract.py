@@ -28,6 +28,11 @@ class EngineTurn(Protocol):
     text: str
     finish_reason: str | None
 
+    @property
+    def generated(self) -> Sequence[Any]:
+        """The tokens sampled so far: empty while the prompt is still being prefilled."""
+        ...
+
     def usage(self) -> dict[str, Any]: ...
 
 

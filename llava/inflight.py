@@ -52,10 +52,17 @@ class Answering(Generic[TurnT]):
 
     def chunk(self) -> Reply | None:
         """What a step that did not finish the answer sends: the new text, if streamed."""
-        if not self.stream or (self.streaming and not self.turn.delta):
+        if not self.stream:
+            return None
+        if not self.streaming:
+            # The head (status 200) waits for the first token: until then a failing prefill
+            # still answers with its own status. The first token then goes out at once, even
+            # with its text held back (half a character), so a client's time to first token
+            # is the model's.
+            if not self.turn.generated:
+                return None
+        elif not self.turn.delta:
             return None  # nothing new to send: stay in the batch silently
-        # The first token always goes out at once (its text may still be held back, half a
-        # character), so a client's time to first token is the model's.
         return self.stream_reply(self.replies.chunk(self.turn.delta), last=False)
 
     def finished(self, **more_usage: Any) -> Reply:

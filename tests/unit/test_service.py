@@ -80,6 +80,7 @@ class FakeTurn:
     delta: str = ""
     done: bool = False
     finish_reason: str | None = None
+    prefill_steps: int = 0  # steps that prefill the prompt before the first word
 
     def usage(self) -> dict[str, Any]:
         return {"generated_tokens": len(self.generated), "finish_reason": self.finish_reason}
@@ -99,6 +100,7 @@ class FakeEngine:
         self.finish_raises: dict[str, BaseException] = {}
         self.start_raises: dict[str, BaseException] = {}
         self.open_steps = 0
+        self.prefill_steps = 0  # steps every question's prompt takes before its first word
         self.steps = 0
 
     def names(self) -> list[str]:
@@ -142,7 +144,7 @@ class FakeEngine:
         if prompt in self.start_raises:
             raise self.start_raises[prompt]
         words = prompt.split()[: params.max_new_tokens]
-        return FakeTurn(state, prompt, params, history, words)
+        return FakeTurn(state, prompt, params, history, words, prefill_steps=self.prefill_steps)
 
     def step(self, turns: list[FakeTurn]) -> dict[int, BaseException]:
         self.steps += 1
@@ -155,6 +157,10 @@ class FakeEngine:
                 continue
             if turn.prompt in self.step_errors:
                 errors[i] = self.step_errors[turn.prompt]
+                continue
+            if turn.prefill_steps:
+                turn.prefill_steps -= 1
+                turn.delta = ""
                 continue
             word = turn.words[len(turn.generated)]
             turn.delta = word if not turn.generated else " " + word
@@ -467,6 +473,34 @@ def test_stream_query_sends_text_chunks_then_a_final_usage_line(service: Session
         {"usage": {"generated_tokens": 3, "finish_reason": "stop"}, "finish_reason": "stop"},
     ]
     assert service.in_flight == 0
+    assert not service.store.get(sid).busy
+
+
+def test_stream_head_waits_for_the_first_token(service: SessionService, engine: FakeEngine) -> None:
+    """A prefill over several steps sends nothing, so a client's first line is a token."""
+    sid = open_session(service)
+    engine.prefill_steps = 3
+    client = Client()
+    body = query_body("one two", stream=True)
+    replies = [service.step([client.item("q", body, sid_headers(sid))])[0] for _ in range(4)]
+    assert replies[:3] == [None, None, None]
+    assert replies[3] is not None and lines_of(replies[3]) == [{"text": "one"}]
+
+
+def test_prefill_failing_before_the_first_token_answers_with_its_status(
+    service: SessionService, engine: FakeEngine
+) -> None:
+    """No head has gone out yet, so the error is a plain 4xx/5xx answer, not an in-band line."""
+    sid = open_session(service)
+    engine.prefill_steps = 3
+    client = Client()
+    body = query_body("a b", stream=True)
+    [waiting] = service.step([client.item("q", body, sid_headers(sid))])
+    assert waiting is None
+    engine.step_errors["a b"] = RuntimeError("out of memory in a chunk")
+    [failed] = service.step([client.item("q", None, sid_headers(sid))])
+    assert failed is not None and failed.status == 500 and failed.last is None
+    assert body_of(failed)["error"]["code"] == "internal_error"
     assert not service.store.get(sid).busy
 
 
