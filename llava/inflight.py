@@ -48,21 +48,21 @@ class Answering(Generic[TurnT]):
     replies: Replies
     transient: bool = False  # a one-shot generate: its state is dropped at the end
     streaming: bool = False  # the HTTP head has gone out
+    sent_tokens: int = 0  # tokens whose line has gone out
     headers: dict[str, str] = field(default_factory=dict)  # sent with the first reply
 
     def chunk(self) -> Reply | None:
-        """What a step that did not finish the answer sends: the new text, if streamed."""
+        """What a step that did not finish the answer sends: its token's line, if streamed."""
         if not self.stream:
             return None
-        if not self.streaming:
-            # The head (status 200) waits for the first token: until then a failing prefill
-            # still answers with its own status. The first token then goes out at once, even
-            # with its text held back (half a character), so a client's time to first token
-            # is the model's.
-            if not self.turn.generated:
-                return None
-        elif not self.turn.delta:
-            return None  # nothing new to send: stay in the batch silently
+        tokens = len(self.turn.generated)
+        if tokens == self.sent_tokens:
+            return None  # no token this step (the prompt is still prefilling): stay silent
+        # One line per token, even one whose text is held back (half a character): a client
+        # sees every step of its answer, so a live stream never looks stalled. The head
+        # (status 200) goes out with the first token: until then a failing prefill still
+        # answers with its own status.
+        self.sent_tokens = tokens
         return self.stream_reply(self.replies.chunk(self.turn.delta), last=False)
 
     def finished(self, **more_usage: Any) -> Reply:

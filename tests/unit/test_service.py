@@ -86,6 +86,9 @@ class FakeTurn:
         return {"generated_tokens": len(self.generated), "finish_reason": self.finish_reason}
 
 
+HALF_CHARACTER = "<0xE2>"  # a prompt word the fake engine samples as a token with no text yet
+
+
 class FakeEngine:
     """Deterministic engine that records every call.
 
@@ -164,6 +167,8 @@ class FakeEngine:
                 continue
             word = turn.words[len(turn.generated)]
             turn.delta = word if not turn.generated else " " + word
+            if word == HALF_CHARACTER:  # a token whose text is held back
+                turn.delta = ""
             turn.generated.append(word)
             turn.text += turn.delta
             if len(turn.generated) == len(turn.words):
@@ -485,6 +490,22 @@ def test_stream_head_waits_for_the_first_token(service: SessionService, engine: 
     replies = [service.step([client.item("q", body, sid_headers(sid))])[0] for _ in range(4)]
     assert replies[:3] == [None, None, None]
     assert replies[3] is not None and lines_of(replies[3]) == [{"text": "one"}]
+
+
+def test_stream_sends_a_line_for_a_token_whose_text_is_held_back(
+    service: SessionService,
+) -> None:
+    """Every step of an answer reaches the client, so a live stream never looks stalled."""
+    sid = open_session(service)
+    client = Client()
+    body = query_body(f"one {HALF_CHARACTER} two three", stream=True)
+    replies = [service.step([client.item("q", body, sid_headers(sid))])[0] for _ in range(4)]
+    assert all(r is not None for r in replies)
+    assert [lines_of(r)[0] for r in replies[:3]] == [
+        {"text": "one"},
+        {"text": ""},
+        {"text": " two"},
+    ]
 
 
 def test_prefill_failing_before_the_first_token_answers_with_its_status(
