@@ -98,7 +98,12 @@ class SessionHandler:
     def initialize(self, context: Any) -> None:
         """Build config, engine, session store and image loader from the model archive."""
         from llava.contract import Engine
-        from llava.engine import LlavaEngine, SessionState, Turn  # torch is imported here only
+        from llava.engine import (  # torch is imported here only
+            LlavaEngine,
+            SessionState,
+            Turn,
+            set_torch_threads,
+        )
         from llava.engine.budget import derive_budgets
         from llava.engine.memory import TieredMemory
         from llava.images import ImageLoader, ImagePolicy
@@ -108,6 +113,13 @@ class SessionHandler:
         model_dir = Path(context.system_properties.get("model_dir"))
         section = (getattr(context, "model_yaml_config", None) or {}).get("handler")
         self.config = config = ServerConfig.from_mapping(section, os.environ)
+        # TorchServe re-sends a request that gets no reply this step (an open whose image is
+        # still being prepared) with its whole body, every step: left to TorchServe, each
+        # re-send's JSON would be decoded again inside the step loop. Raw bytes are parsed
+        # once, by the kit, on the request's first step. (Read per message by TorchServe's
+        # worker, so setting it here takes effect from the first request.)
+        os.environ["TS_DECODE_INPUT_REQUEST"] = "false"
+        set_torch_threads(config)
         llava_engine = LlavaEngine.load(model_dir, config)
         engine: Engine[SessionState, Turn] = llava_engine  # mypy checks the contract here
         budgets = derive_budgets(

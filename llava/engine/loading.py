@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,22 @@ from llava.config import ServerConfig
 log = logging.getLogger(__name__)
 
 HOST = torch.device("cpu")
+
+
+def torch_threads(configured: int, usable_cpus: int, torch_default: int) -> int:
+    """The intra-op threads to run with: as configured, else one CPU left for everything else."""
+    if configured:
+        return configured
+    return max(1, min(torch_default, usable_cpus - 1))
+
+
+def set_torch_threads(config: ServerConfig) -> int:
+    """Apply `torch_threads` to this process and return the count."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = torch_threads(config.torch_threads, usable or 1, torch.get_num_threads())
+    torch.set_num_threads(threads)
+    log.info("torch runs %d CPU threads (set torch_threads to override)", threads)
+    return threads
 
 
 def resolve_devices(config: ServerConfig) -> list[torch.device]:

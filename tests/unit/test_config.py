@@ -206,3 +206,21 @@ def test_limits_property_carries_the_request_limits() -> None:
 def test_budgets_in_mb_become_bytes() -> None:
     assert ServerConfig(host_budget_mb=3).host_budget_bytes == 3 * 1024 * 1024
     assert ServerConfig(device_budget_mb=0).device_budget_bytes is None
+
+
+@pytest.mark.parametrize(
+    ("configured", "usable", "torch_default", "expected"),
+    [
+        (0, 2, 2, 1),  # 2 cores: one for torch, one for the frontend and the image threads
+        (0, 8, 4, 4),  # never more than torch's own default (its physical cores)
+        (0, 8, 8, 7),
+        (0, 1, 1, 1),  # one core: still one thread
+        (3, 2, 2, 3),  # as configured
+    ],
+)
+def test_torch_threads_leave_a_cpu_for_the_frontend(
+    configured: int, usable: int, torch_default: int, expected: int
+) -> None:
+    from llava.engine.loading import torch_threads
+
+    assert torch_threads(configured, usable, torch_default) == expected
