@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import pytest
 from helpers import Reference
 
@@ -85,3 +86,10 @@ def server(model_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         assert_no_worker_death(ts)
     finally:
         ts.stop()
+
+
+@pytest.fixture()
+def client() -> Iterator[httpx.Client]:
+    """A plain HTTP client for a test's requests to its server."""
+    with httpx.Client(timeout=120) as c:
+        yield c

@@ -32,12 +32,6 @@ def served(
         assert_no_worker_death(server)
 
 
-@pytest.fixture(scope="module")
-def client() -> Iterator[httpx.Client]:
-    with httpx.Client(timeout=120) as c:
-        yield c
-
-
 def test_added_images_join_the_conversation_without_being_sent_again(served, client):
     server, reference = served
     url = server.url("/predictions/llava")

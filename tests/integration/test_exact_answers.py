@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
 from conftest import serving_profile
 from helpers import Reference, ask, data_uri, make_image, open_session
@@ -41,12 +40,6 @@ def served(
     }
     with serving_profile(request.param, tmp_path_factory, **env) as served:
         yield served
-
-
-@pytest.fixture(scope="module")
-def client() -> Iterator[httpx.Client]:
-    with httpx.Client(timeout=120) as c:
-        yield c
 
 
 def test_four_turns_equal_the_pipeline_with_and_without_a_system_prompt(served, client):

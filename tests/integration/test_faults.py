@@ -41,12 +41,6 @@ def faults(model_store, tmp_path_factory) -> Iterator[TorchServe]:
         yield ts
 
 
-@pytest.fixture()
-def client() -> Iterator[httpx.Client]:
-    with httpx.Client(timeout=60) as c:
-        yield c
-
-
 def too_many_pixels() -> str:
     buf = io.BytesIO()
     Image.new("1", (8000, 6000)).save(buf, "PNG")  # 48 Mpx: over the 40 Mpx limit, ~6 KB

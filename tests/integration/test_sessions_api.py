@@ -6,7 +6,6 @@ import re
 import time
 from datetime import datetime, timezone
 
-import httpx
 import pytest
 from helpers import Reference, ask, data_uri, make_image, open_session, post
 
@@ -21,12 +20,6 @@ ROUTES = ["/predictions/llava", "/invocations"]
 @pytest.fixture(scope="module")
 def reference(tiny_checkpoint):
     return Reference(tiny_checkpoint)
-
-
-@pytest.fixture()
-def client():
-    with httpx.Client(timeout=60) as c:
-        yield c
 
 
 @pytest.mark.parametrize("route", ROUTES)
