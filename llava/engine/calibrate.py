@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-GAP_FACTOR = 3  # a step's prefill work may cost this many decode steps (the stream waits 4)
+GAP_FACTOR = 2  # a step's prefill work may cost this many decode steps (the stream waits 3)
 MIN_BUDGET, MAX_BUDGET = 16, 4096
 PROBE = 128  # tokens per timed prefill chunk
 

@@ -15,13 +15,13 @@ PROMPTS = ["What is this?", "Which colors do you see?", "Is it big?"]
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_checkpoint) -> LlavaEngine:
-    return LlavaEngine.load(tiny_checkpoint, ServerConfig(device="cpu", step_token_budget=64))
+def engine(either_checkpoint) -> LlavaEngine:
+    return LlavaEngine.load(either_checkpoint, ServerConfig(device="cpu", step_token_budget=64))
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_checkpoint) -> Reference:
-    return Reference(tiny_checkpoint)
+def reference(either_checkpoint) -> Reference:
+    return Reference(either_checkpoint)
 
 
 def ask(engine: LlavaEngine, state, prompt: str, params: GenerationParams = GREEDY):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from llava.engine.scheduler import Pending, plan_step
+from llava.engine.scheduler import IDLE_FACTOR, Pending, plan_step
 
 
 def decoding(i: int) -> Pending:
@@ -19,9 +19,15 @@ def test_every_decoding_answer_advances_and_counts_against_the_budget() -> None:
 
 def test_long_prefills_are_cut_into_chunks_that_fill_the_budget_in_order() -> None:
     work = [Pending(0, False, prefill=40, follow_up=False), Pending(1, False, prefill=40)]
-    plan = plan_step(work, budget=50)
+    plan = plan_step([*work, decoding(2)], budget=51)
     # The follow-up question (1) goes first, then the open takes what is left.
     assert plan.prefill == {1: 40, 0: 10}
+
+
+def test_a_step_no_stream_waits_on_spends_more_on_prefill() -> None:
+    opens = [Pending(0, False, prefill=500, follow_up=False)]
+    assert plan_step(opens, budget=50).prefill == {0: 50 * IDLE_FACTOR}
+    assert plan_step([*opens, decoding(1)], budget=50).prefill == {0: 49}
 
 
 def test_a_tower_run_that_does_not_fit_waits_and_nothing_behind_it_overtakes() -> None:
@@ -30,7 +36,7 @@ def test_a_tower_run_that_does_not_fit_waits_and_nothing_behind_it_overtakes() -
         Pending(1, False, tower_cost=40, follow_up=False),
         Pending(2, False, prefill=5, follow_up=False),
     ]
-    plan = plan_step(work, budget=50)
+    plan = plan_step([*work, decoding(3)], budget=51)
     assert plan.prefill == {0: 30}
     assert plan.encode == []  # 40 > the 20 left: next step
 
@@ -59,8 +65,8 @@ def test_each_prefill_chunk_pays_for_its_forward() -> None:
     assert plan.prefill == {0: 20, 1: 9}
     plan = plan_step(work + [decoding(2)], budget=80, forward_cost=30)
     assert plan.prefill == {0: 20}  # 29 left: not even the open's forward fits
-    plan = plan_step([Pending(1, False, prefill=100, follow_up=False)], budget=90, forward_cost=30)
-    assert plan.prefill == {1: 60}
+    plan = plan_step([Pending(1, False, prefill=100, follow_up=False)], budget=45, forward_cost=30)
+    assert plan.prefill == {1: 60}  # no decode: twice the budget, less the forward
 
 
 def test_the_oldest_chunk_runs_however_dear_its_forward() -> None:

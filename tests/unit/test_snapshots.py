@@ -119,8 +119,8 @@ def test_a_restart_lists_snapshots_and_clears_half_written_files(tmp_path: Path)
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_checkpoint: Any) -> Reference:
-    return Reference(tiny_checkpoint)
+def reference(either_checkpoint: Any) -> Reference:
+    return Reference(either_checkpoint)
 
 
 def load(checkpoint: Any) -> LlavaEngine:
@@ -131,9 +131,9 @@ def ask(engine: LlavaEngine, state: Any, prompt: str) -> str:
     return engine.run_to_end(engine.start_turn(state, prompt, GREEDY)).text
 
 
-def test_a_restored_session_answers_as_the_models_own_pipeline(tiny_checkpoint, reference):
+def test_a_restored_session_answers_as_the_models_own_pipeline(either_checkpoint, reference):
     image = make_image(7, (64, 48))
-    before = load(tiny_checkpoint)
+    before = load(either_checkpoint)
     state = before.open_session(image, "Be brief.")
     ask(before, state, PROMPTS[0])
     ask(before, state, PROMPTS[1])
@@ -141,7 +141,7 @@ def test_a_restored_session_answers_as_the_models_own_pipeline(tiny_checkpoint, 
     assert produce is not None
     data = produce()
 
-    after = load(tiny_checkpoint)  # a new worker: nothing shared but the checkpoint
+    after = load(either_checkpoint)  # a new worker: nothing shared but the checkpoint
     restored, extra = after.resume(data)
     assert extra == {"expires_at": 123.0, "info": {"k": "v"}}
     assert restored.tier is Tier.FEATURES and restored.cache is None
