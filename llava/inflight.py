@@ -47,9 +47,13 @@ class Answering(Generic[TurnT]):
     stream: bool
     replies: Replies
     transient: bool = False  # a one-shot generate: its state is dropped at the end
-    streaming: bool = False  # the HTTP head has gone out
     sent_tokens: int = 0  # tokens whose line has gone out
     headers: dict[str, str] = field(default_factory=dict)  # sent with the first reply
+
+    @property
+    def streaming(self) -> bool:
+        """The HTTP head has gone out: it goes with the first token's line."""
+        return self.sent_tokens > 0
 
     def chunk(self) -> Reply | None:
         """What a step that did not finish the answer sends: its token's line, if streamed."""
@@ -62,8 +66,9 @@ class Answering(Generic[TurnT]):
         # sees every step of its answer, so a live stream never looks stalled. The head
         # (status 200) goes out with the first token: until then a failing prefill still
         # answers with its own status.
+        reply = self.stream_reply(self.replies.chunk(self.turn.delta), last=False)
         self.sent_tokens = tokens
-        return self.stream_reply(self.replies.chunk(self.turn.delta), last=False)
+        return reply
 
     def finished(self, **more_usage: Any) -> Reply:
         """The reply of a finished answer: its last stream chunk, or the whole response."""
@@ -84,7 +89,6 @@ class Answering(Generic[TurnT]):
 
     def stream_reply(self, body: bytes, *, last: bool) -> Reply:
         first = not self.streaming
-        self.streaming = True
         kind = self.replies.stream_content_type
         headers = self.headers if first else {}
         if first and last:  # a stream that is over at its first step is just a whole response

@@ -210,8 +210,9 @@ def _renamed(obj: dict[str, Any], kind: str, old: str, new: str) -> dict[str, An
 def _decode_body(body: Any, headers: Mapping[str, Any], limits: Limits) -> dict[str, Any]:
     """Return the body as a JSON object, whatever the Content-Type (which is not checked).
 
-    TorchServe's worker decodes `application/json` bodies itself (a dict, list, number or
-    string arrives), decodes `text/*` to a string, and passes anything else as bytes.
+    The handler asks TorchServe's worker for raw bytes (`TS_DECODE_INPUT_REQUEST=false`), so
+    bytes arrive. A worker that decodes anyway passes `application/json` as a dict, list, number
+    or string and `text/*` as a string; those are taken too.
     """
     if isinstance(body, dict):
         # Decoded by TorchServe, whose own limit (max_request_size) is above ours: check the
