@@ -26,6 +26,7 @@ _ZERO_ALLOWED = {
     "step_token_budget",
     "snapshot_budget_mb",
     "torch_threads",
+    "image_processes",
 }
 CACHE_MODES = ("kv", "pixels")
 ENV_PREFIX = "LLAVA_"
@@ -80,6 +81,9 @@ class ServerConfig:
     image_max_pixels: int = 40_000_000
     image_timeout_s: float = 20.0
     image_fetch_threads: int = 16  # downloads in flight at once (each waits on the network)
+    # Processes that decode images and run the processor (0 = on the worker's threads, where
+    # that CPU work holds the interpreter lock against every stream's step).
+    image_processes: int = 2
     max_images_per_session: int = 8  # the opening image and those added with questions
 
     def __post_init__(self) -> None:

@@ -43,9 +43,14 @@ TurnT = TypeVar("TurnT", bound=EngineTurn)
 class Engine(Protocol[StateT, TurnT]):
     """Open sessions, start answers, advance them one step at a time, commit or roll back."""
 
-    def prepare(self, image: Any, state: StateT | None = None) -> Any:
-        """Run the processor on a decoded image (joining `state`'s conversation); called on
-        the image threads, never the step loop."""
+    def image_preparer(self) -> Callable[[Any, list[Any]], Any]:
+        """Return what turns a decoded image (and the earlier images it is processed with) into
+        the input `new_session` and `start_turn` take: picklable, run in image processes or
+        threads, never on the step loop."""
+        ...
+
+    def earlier_images(self, state: StateT) -> list[Any]:
+        """Return the images an image added to `state`'s conversation is processed with."""
         ...
 
     def new_session(self, image: Any, system_prompt: str | None = None) -> StateT:

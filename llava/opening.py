@@ -1,8 +1,8 @@
 """Opening sessions: a slot held while the image loads, the state computed in steps, then stored.
 
 An open passes through three stages, each bounded so the shared step loop never waits on it:
-1. `fetch` holds a session slot and loads, decodes and prepares the image on the image threads
-   (the image reference's digest is taken there too, for chat completions to recognise it);
+1. `fetch` holds a session slot while the image is loaded, decoded and prepared off the step
+   loop (the image reference's digest is taken there too, for chat completions to recognise it);
 2. `begin` makes the session's state and the turn that encodes its image and prefills its
    prefix, which the engine's scheduler runs in pieces, step by step, with everyone's answers;
 3. `finish` stores the session once that turn is done; `abort` frees everything at any stage.
@@ -43,11 +43,11 @@ class SessionOpener(Generic[StateT, TurnT]):
         slot = self.store.reserve()
         ref = request.image
 
-        def prepare(decoded: Any) -> tuple[Any, str]:  # on the image threads, with the digest
-            return self.engine.prepare(decoded), image_key(ref)
+        def with_key(prepared: Any) -> tuple[Any, str]:  # on the image threads: the digest
+            return prepared, image_key(ref)
 
         try:
-            image = self.images.submit(ref, prepare)
+            image = self.images.submit(ref, then=with_key)
         except BaseException:
             self.store.cancel(slot)
             raise

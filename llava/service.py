@@ -2,13 +2,14 @@
 
 TorchServe's continuous batching calls the handler once per generation step with every active
 request; this module is what the handler delegates to, with no TorchServe types in sight. Each
-call to `step()` admits new requests, turns those whose images have arrived (fetched, decoded and
-run through the processor on the image threads) into engine turns, runs one engine step over
-every open being computed and every answer (the engine's scheduler decides how much of each, under
-a token budget), and returns, per request, either a `Reply` or `None` ("nothing to send yet": the
-request stays in the batch and comes back next step). A request that disappears from the batch
-has lost its client: its work is rolled back. A step that runs out of device memory frees what
-it can (idle sessions' caches move to host memory) and is retried once.
+call to `step()` admits new requests, turns those whose images have arrived (fetched on the
+image threads, decoded and run through the processor in the image processes) into engine turns,
+runs one engine step over every open being computed and every answer (the engine's scheduler
+decides how much of each, under a token budget), and returns, per request, either a `Reply` or
+`None` ("nothing to send yet": the request stays in the batch and comes back next step). A
+request that disappears from the batch has lost its client: its work is rolled back. A step
+that runs out of device memory frees what it can (idle sessions' caches move to host memory)
+and is retried once.
 
 Nothing a request does can fail another: every error is caught per request and becomes that
 request's own 4xx/5xx reply (or, once a stream has started, an in-band error line).
@@ -83,6 +84,7 @@ class SessionService(Generic[StateT, TurnT]):
         *,
         limits: Limits = Limits(),
         fetch_threads: int = 16,
+        image_processes: int = 0,
         snapshots: SnapshotDir | None = None,
     ) -> None:
         self.engine = engine
@@ -90,12 +92,19 @@ class SessionService(Generic[StateT, TurnT]):
         self.images = images
         self.limits = limits
         self.snapshots = snapshots
-        self._images = BackgroundImages(images, fetch_threads)
+        self._images = BackgroundImages(
+            images, engine.image_preparer(), threads=fetch_threads, processes=image_processes
+        )
         self.opener: SessionOpener[StateT, TurnT] = SessionOpener(engine, store, self._images)
         self._work: dict[str, Fetching | Opening[StateT, TurnT] | Answering[TurnT]] = {}
 
+    def start_image_processes(self) -> None:
+        """Start the image processes now, so the first images do not wait for them."""
+        if self._images.processes is not None:
+            self._images.processes.start()
+
     def close(self) -> None:
-        """Stop the image fetch threads."""
+        """Stop the image threads and processes."""
         self._images.close()
 
     @property
@@ -137,7 +146,7 @@ class SessionService(Generic[StateT, TurnT]):
             self._admit_chat(item.request_id, request)
             return None
         if isinstance(request, Generate):
-            image = self._images.submit(request.image, self.engine.prepare)
+            image = self._images.submit(request.image)
             self._work[item.request_id] = Fetching(request, image)
             return None
         if isinstance(request, OpenSession):
@@ -147,10 +156,8 @@ class SessionService(Generic[StateT, TurnT]):
             session = self.store.begin_turn(request.session_id)
             try:
                 if request.image is not None:
-                    state = session.state
-                    image = self._images.submit(
-                        request.image, lambda decoded: self.engine.prepare(decoded, state)
-                    )
+                    earlier = self.engine.earlier_images(session.state)
+                    image = self._images.submit(request.image, earlier)
                     self._work[item.request_id] = Fetching(request, image, session=session)
                 else:
                     self._start_query(item.request_id, request, session)
@@ -197,7 +204,7 @@ class SessionService(Generic[StateT, TurnT]):
                 params=request.params,
                 stream=request.stream,
             )
-            image = self._images.submit(request.image, self.engine.prepare)
+            image = self._images.submit(request.image)
             self._work[request_id] = Fetching(generate, image, replies=replies)
             return
         if request.session == NEW_SESSION:

@@ -164,8 +164,10 @@ class SessionHandler:
             images,
             limits=config.limits,
             fetch_threads=config.image_fetch_threads,
+            image_processes=config.image_processes,
             snapshots=snapshots,
         )
+        self.service.start_image_processes()
         log.info("llava handler ready: %s", config)
 
     def handle(self, data: list[dict[str, Any]], context: Any) -> list[Any]:

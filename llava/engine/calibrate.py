@@ -1,15 +1,14 @@
-"""Size the step's token budget from this machine's own speed, measured once at start.
+"""Measure this machine's step costs once at start: the pacer's starting point.
 
 A step holds every stream for as long as it runs, so what bounds a stream's longest gap is the
 time of a step's prefill work against the time of a plain decode step. How many prefill tokens
 cost as much as a decode step differs by two orders of magnitude between a CPU (prefill is as
 memory-bound as decoding, a token costs about a token) and a GPU (a decode step reads every
 weight for one token; a prefill chunk of hundreds of tokens reads them once). So with
-`step_token_budget: 0` (the default) the engine times, on the loaded model, a decode step and a
-prefill chunk over a cache holding an image's worth of tokens, and a run of the vision tower,
-and lets a step's prefill work cost about `GAP_FACTOR` decode steps. A forward's fixed cost (a
-decode step is nearly all fixed cost: it reads every weight for one token) is charged to each
-prefill chunk, so a step that would run several short chunks runs fewer.
+`step_token_budget: 0` (the default) the engine times, on the loaded model, a decode step, two
+prefill chunks of different lengths over a cache holding an image's worth of tokens (a chunk's
+cost is a fixed part, paid by every forward, plus a part per token) and a run of the vision
+tower. `pacing.StepPacer` starts from these figures and follows the steps actually run.
 """
 
 from __future__ import annotations
@@ -17,11 +16,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 
 from llava.engine.cache import crop_to, new_cache
+from llava.engine.pacing import StepPacer
 from llava.engine.vision import image_features, process_images
 
 if TYPE_CHECKING:
@@ -29,17 +29,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-GAP_FACTOR = 2  # a step's prefill work may cost this many decode steps (the stream waits 3)
-MIN_BUDGET, MAX_BUDGET = 16, 4096
-PROBE = 128  # tokens per timed prefill chunk
-
-
-class StepCosts(NamedTuple):
-    """What the scheduler spends, in prefill tokens of this machine's model."""
-
-    budget: int  # tokens a step's prefill work may cost
-    tower_ratio: float  # the vision tower's cost per image token it produces
-    forward_cost: int  # the fixed cost of one more forward (a prefill chunk)
+SHORT, PROBE = 16, 128  # tokens per timed prefill chunk
 
 
 def _best_of(runs: int, fn: Callable[[], object], sync: Callable[[], None]) -> float:
@@ -56,8 +46,8 @@ def _best_of(runs: int, fn: Callable[[], object], sync: Callable[[], None]) -> f
 
 
 @torch.inference_mode()
-def calibrate(engine: LlavaEngine) -> StepCosts:
-    """Time the loaded model; return the step's budget and the costs of its pieces."""
+def calibrate(engine: LlavaEngine) -> StepPacer:
+    """Time the loaded model's step pieces; return a pacer starting from them."""
     from PIL import Image
 
     replica = engine.replicas[0]
@@ -79,23 +69,26 @@ def calibrate(engine: LlavaEngine) -> StepCosts:
         return run
 
     decode = _best_of(5, forward(1), sync)
-    chunk = _best_of(3, forward(PROBE), sync)
-    # cost(n) = decode + (n - 1) * per_token: a forward's fixed cost plus its tokens'
-    per_token = max((chunk - decode) / (PROBE - 1), 1e-9)
+    short = _best_of(3, forward(SHORT), sync)
+    long = _best_of(3, forward(PROBE), sync)
+    # cost(n) = fixed + n * per_token, fitted on two chunk lengths: a chunk of several tokens
+    # runs other kernels than a decode step, with a larger fixed part.
+    per_token = max((long - short) / (PROBE - SHORT), 1e-9)
+    fixed = max(short - SHORT * per_token, 0.0)
     tower = _best_of(2, lambda: image_features(replica.model, processed, device), sync)
-    budget = int(min(MAX_BUDGET, max(MIN_BUDGET, GAP_FACTOR * decode / per_token)))
-    costs = StepCosts(
-        budget=budget,
-        tower_ratio=tower / per_token / processed.total,
-        forward_cost=min(budget // 2, round(decode / per_token)),
+    pacer = StepPacer(
+        quiet_s=decode, token_s=per_token, forward_s=fixed, tower_s=tower / processed.total
     )
+    costs = pacer.costs()
     log.info(
-        "step budget calibrated: decode step %.1f ms, prefill %.3f ms/token, vision tower %.1f ms "
-        "per image -> %d tokens per step, %d per extra forward (set step_token_budget to override)",
+        "step costs calibrated: decode step %.1f ms, prefill %.1f ms + %.3f ms/token, vision "
+        "tower %.1f ms per image -> %d tokens per step to start with, %d per extra forward "
+        "(set step_token_budget to fix the budget instead)",
         decode * 1000,
+        fixed * 1000,
         per_token * 1000,
         tower * 1000,
         costs.budget,
         costs.forward_cost,
     )
-    return costs
+    return pacer

@@ -15,8 +15,8 @@ A forward that fails leaves every cache as it was before it.
         engine.step([turn])
     engine.finish_turn(turn)         # commits the answer to the session's history
 
-A server never blocks a step on an open: it calls `prepare` on its image threads, then
-`new_session` and `start_open`, and steps the open's turn with everyone else's.
+A server never blocks a step on an open: it runs `image_preparer()` in its image processes,
+then calls `new_session` and `start_open`, and steps the open's turn with everyone else's.
 
 `cache_mode="pixels"` is the reference design kept for comparison: the session keeps only the
 processed image, and every question re-runs the vision tower and prefills the whole conversation.
@@ -39,13 +39,14 @@ from llava.engine.calibrate import calibrate
 from llava.engine.chat import ChatFormatter, Exchange, common_prefix
 from llava.engine.decoding import Decoder
 from llava.engine.forward import forward
-from llava.engine.imageset import EMPTY, ImageEncoder, ImageSet, PreparedImages
+from llava.engine.imageset import EMPTY, ImageEncoder, ImagePreparer, ImageSet, PreparedImages
 from llava.engine.loading import load_model, load_processor, resolve_devices
+from llava.engine.pacing import StepCosts, StepPacer
 from llava.engine.sampling import Detokenizer, make_generator
 from llava.engine.scheduler import Pending, plan_step
 from llava.engine.selfcheck import self_check
 from llava.engine.state import Replica, SessionState, Tier, Turn
-from llava.engine.vision import image_token_id, tower_ratio
+from llava.engine.vision import image_token_id, tower_ratio, vision_part
 from llava.errors import InvalidRequest
 from llava.families import check_model_type, checkpoint_family
 from llava.protocol import GenerationParams
@@ -73,6 +74,9 @@ class LlavaEngine:
             joint=family.joint_images,
             multi_image=family.multi_image(text_config.model_type),
             max_images=config.max_images_per_session,
+            # On the CPU the image processes run the tower as well: the same cores, but off
+            # the step loop, which then never holds a stream for a tower run.
+            vision=vision_part(model) if self._tower_in_preparer(config, replicas) else None,
         )
         self.max_context = config.max_context_tokens or text_config.max_position_embeddings
         self.num_layers = text_config.num_hidden_layers
@@ -81,9 +85,11 @@ class LlavaEngine:
             eos = self.tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
         self.decoder = Decoder(replicas, self.forward, self.eos_ids)
-        self.tower_ratio = tower_ratio(model)  # until calibrated: by parameter counts
-        self.step_budget = config.step_token_budget or DEFAULT_STEP_BUDGET
-        self.forward_cost = 0  # a configured budget counts tokens only
+        # A configured budget counts tokens only, the tower costed by parameter counts; `load`
+        # calibrates a pacer instead when the budget is left to it (step_token_budget: 0).
+        budget = config.step_token_budget or DEFAULT_STEP_BUDGET
+        self.fixed_costs = StepCosts(budget, tower_ratio(model), 0)
+        self.pacer: StepPacer | None = None
         self.fingerprint = ""  # the checkpoint's identity, for snapshots (set by `load`)
 
     @classmethod
@@ -96,22 +102,31 @@ class LlavaEngine:
         engine = cls(processor, replicas, config)
         engine.fingerprint = snapshot.model_fingerprint(model_dir)
         engine.self_check()
-        if not config.step_token_budget:  # 0: size it from this machine's speed
-            costs = calibrate(engine)
-            engine.step_budget, engine.tower_ratio = costs.budget, costs.tower_ratio
-            engine.forward_cost = costs.forward_cost
+        if not config.step_token_budget:  # 0: size it from this machine's speed, and follow it
+            engine.pacer = calibrate(engine)
         return engine
+
+    @staticmethod
+    def _tower_in_preparer(config: ServerConfig, replicas: list[Replica]) -> bool:
+        on_cpu = all(r.device.type == "cpu" for r in replicas)
+        return on_cpu and config.cache_mode == "kv" and config.image_processes > 0
 
     @property
     def keeps_kv(self) -> bool:
         return self.config.cache_mode == "kv"
 
     # -- sessions --------------------------------------------------------------------------
-    def prepare(self, image: Any, state: SessionState | None = None) -> PreparedImages:
-        """Run the processor on a new image (for `state`'s conversation, if it joins one).
+    def image_preparer(self) -> ImagePreparer:
+        """Return what runs the processor on an image: servers run it in their image processes
+        (it is picklable) or threads, never on the step loop."""
+        return self.images.preparer
 
-        CPU work, safe on any thread: servers call it on their image threads.
-        """
+    def earlier_images(self, state: SessionState) -> list[Any]:
+        """Return the images an image added to `state`'s conversation is processed with."""
+        return self.images.earlier(state.images)
+
+    def prepare(self, image: Any, state: SessionState | None = None) -> PreparedImages:
+        """Run the processor on a new image (for `state`'s conversation, if it joins one)."""
         return self.images.prepare(image, state.images if state is not None else None)
 
     def new_session(self, image: PreparedImages, system_prompt: str | None = None) -> SessionState:
@@ -294,33 +309,54 @@ class LlavaEngine:
     def step(self, turns: list[Turn]) -> dict[int, BaseException]:
         """Run this step's share of every turn, as the scheduler plans it; return errors by
         position. A failing piece fails its own turn only, and leaves its cache as it was."""
-        work = [self._pending(i, turn) for i, turn in enumerate(turns) if not turn.done]
-        plan = plan_step(work, self.step_budget, self.forward_cost)
+        costs = self.pacer.costs() if self.pacer is not None else self.fixed_costs
+        work = [self._pending(i, t, costs.tower_ratio) for i, t in enumerate(turns) if not t.done]
+        plan = plan_step(work, costs.budget, costs.forward_cost)
+        tower_tokens = sum(turns[i].tower_tokens for i in plan.encode)
         errors: dict[int, BaseException] = {}
+        started = self._clock()
         for i in plan.encode:
             try:
                 self._encode(turns[i])
             except Exception as exc:  # one failing answer must not fail the others
                 errors[i] = exc
+        encoded = self._clock() if plan.encode else started
         for i, tokens in plan.prefill.items():
             try:
                 self._prefill(turns[i], tokens)
             except Exception as exc:
                 errors[i] = exc
+        prefilled = self._clock() if plan.prefill else encoded
         decoding: dict[int, list[tuple[int, Turn]]] = {}
         for i in plan.decode:
             turn = turns[i]
             decoding.setdefault(self.replicas.index(turn.state.replica), []).append((i, turn))
         for replica_idx, group in decoding.items():
             errors.update(self.decoder.decode(replica_idx, group))
+        if self.pacer is not None and not errors:  # a failed piece's time says nothing
+            self.pacer.observe(
+                plan,
+                tower_tokens,
+                tower_s=encoded - started,
+                prefill_s=prefilled - encoded,
+                decode_s=self._clock() - prefilled,
+            )
         return errors
 
-    def _pending(self, index: int, turn: Turn) -> Pending:
+    def _clock(self) -> float:
+        """Read the time once the devices are done (GPU work is asynchronous), for the pacer."""
+        if self.pacer is not None:
+            for replica in self.replicas:
+                if replica.device.type == "cuda":
+                    torch.cuda.synchronize(replica.device)
+        return time.perf_counter()
+
+    def _pending(self, index: int, turn: Turn, tower_ratio: float) -> Pending:
         tower = turn.tower_tokens
         return Pending(
             index=index,
             decoding=not turn.prefilling,
-            tower_cost=max(1, round(tower * self.tower_ratio)) if tower else 0,
+            tower_cost=max(1, round(tower * tower_ratio)) if tower else 0,
             prefill=len(turn.pending),
             follow_up=turn.start_len > 0,
         )

@@ -2,8 +2,8 @@
 
 Work on images happens in two stages so the shared step loop never does more than a bounded
 piece of it:
-- `prepare` (decode already done; resizing, normalising, counting tokens: the processor) is
-  pure CPU work and runs on the image threads, never on the step loop;
+- `ImagePreparer` (decode already done; resizing, normalising, counting tokens: the
+  processor) is pure CPU work and runs in the server's image processes, never on the step loop;
 - the vision tower (`encode_pending`) runs inside a step, scheduled against the step's token
   budget like a prefill chunk.
 
@@ -26,17 +26,38 @@ from typing import Any
 import torch
 
 from llava.engine.loading import HOST
-from llava.engine.vision import ProcessedImages, image_features, process_images
+from llava.engine.vision import (
+    ProcessedImages,
+    as_bytes,
+    from_bytes,
+    image_features,
+    process_images,
+    register_outputs,
+    unhooked,
+)
 from llava.errors import InvalidRequest
 
 
 @dataclass(eq=False)
 class PreparedImages:
-    """Images through the processor (off the step loop), not yet through the vision tower."""
+    """Images through the processor (off the step loop), and through the vision tower too when
+    the model runs on the CPU (then the image processes run it: `features`)."""
 
-    processed: ProcessedImages
+    processed: ProcessedImages  # without its inputs once `features` are computed
     sources: list[Any]  # the decoded images, kept by families that re-encode them jointly
     joint: bool  # the conversation's earlier images are included (re-encoded together)
+    features: torch.Tensor | None = None  # [tokens, hidden] on the host, when encoded
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        if self.features is not None:
+            state["features"] = as_bytes(self.features)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if state["features"] is not None:
+            state["features"] = from_bytes(state["features"])
+        self.__dict__.update(state)
 
 
 @dataclass(eq=False)
@@ -67,6 +88,47 @@ class ImageSet:
 EMPTY = ImageSet([], None)
 
 
+class ImagePreparer:
+    """Run the processor on a new image and the conversation's earlier ones it joins.
+
+    Thread-safe (one copy of the processor per thread: a fast tokenizer must not be used by two
+    threads at once, "Already borrowed", and the step loop tokenizes with the original) and
+    picklable, so image processes each get their own copy. Given the model's `vision` part
+    (a model on the CPU), it runs the vision tower too.
+    """
+
+    def __init__(self, processor: Any, token_id: int, joint: bool, vision: Any = None) -> None:
+        self.processor = processor
+        self.token_id = token_id
+        self.joint = joint  # several images are encoded together, differently from one
+        self.vision = vision
+        self._local = threading.local()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = {k: v for k, v in self.__dict__.items() if k != "_local"}
+        if self.vision is not None:  # it may have run here, and been hooked
+            state["vision"] = unhooked(self.vision)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _local=threading.local())
+        if self.vision is not None:
+            register_outputs(self.vision)
+
+    def __call__(self, image: Any, earlier: list[Any]) -> PreparedImages:
+        processor = getattr(self._local, "processor", None)
+        if processor is None:
+            processor = self._local.processor = copy.deepcopy(self.processor)
+        images = [*earlier, image]
+        processed = process_images(processor, images, self.token_id)
+        prepared = PreparedImages(processed, images if self.joint else [], bool(earlier))
+        if self.vision is not None:
+            with torch.inference_mode():
+                prepared.features = image_features(self.vision, processed, HOST)
+            prepared.processed = replace(processed, inputs={})
+        return prepared
+
+
 class ImageEncoder:
     """Encode a conversation's images the way its family does, for kv or pixels mode."""
 
@@ -79,32 +141,22 @@ class ImageEncoder:
         joint: bool,
         multi_image: bool = False,
         max_images: int = 1,
+        vision: Any = None,
     ) -> None:
-        self.processor = processor
-        self.token_id = token_id
         self.keep_pixels = keep_pixels  # the reference design: re-run the tower every prefill
-        self.joint = joint  # several images are encoded together, differently from one
+        self.joint = joint
         self.multi_image = multi_image  # the model was trained on several images a conversation
         self.max_images = max_images
-        # One processor per image thread: a fast tokenizer must not be used by two threads at
-        # once ("Already borrowed"), and the step loop tokenizes with the original.
-        self._local = threading.local()
+        self.preparer = ImagePreparer(processor, token_id, joint, vision)
 
-    def _thread_processor(self) -> Any:
-        processor = getattr(self._local, "processor", None)
-        if processor is None:
-            processor = self._local.processor = copy.deepcopy(self.processor)
-        return processor
+    def earlier(self, current: ImageSet | None) -> list[Any]:
+        """Return the images a new one is processed with: the conversation's, if encoded
+        jointly (OneVision), else none."""
+        return list(current.sources) if self.joint and current is not None else []
 
     def prepare(self, image: Any, current: ImageSet | None = None) -> PreparedImages:
-        """Run the processor for a new image (with the conversation's, if encoded jointly).
-
-        Thread-safe and CPU-only: the image threads call it, never the step loop.
-        """
-        joint = self.joint and current is not None and bool(current.sources)
-        images = [*current.sources, image] if joint and current is not None else [image]
-        processed = process_images(self._thread_processor(), images, self.token_id)
-        return PreparedImages(processed, images if self.joint else [], joint)
+        """Run the processor for a new image (with the conversation's, if encoded jointly)."""
+        return self.preparer(image, self.earlier(current))
 
     def start(self, prepared: PreparedImages, device: torch.device) -> ImageSet:
         """Return an opening's image set (its features still to compute, in kv mode)."""
@@ -112,7 +164,8 @@ class ImageEncoder:
         if self.keep_pixels:
             inputs = {k: v.to(device) for k, v in processed.inputs.items()}
             return ImageSet(processed.tokens, None, replace(processed, inputs=inputs))
-        return ImageSet(processed.tokens, None, None, prepared.sources, pending=processed)
+        pending = processed if prepared.features is None else None
+        return ImageSet(processed.tokens, prepared.features, None, prepared.sources, pending)
 
     def for_turn(
         self, current: ImageSet, image: PreparedImages | None, history: bool
@@ -143,14 +196,18 @@ class ImageEncoder:
 
         `current` is left untouched: the new set replaces it only when the answer is committed.
         """
-        processed = prepared.processed
+        processed, new = prepared.processed, prepared.features
+        pending = processed if new is None else None
         if prepared.joint:
             opening = current.opening or ImageSet(current.tokens[:1], current.features)
             return ImageSet(
-                processed.tokens, None, None, prepared.sources, pending=processed, opening=opening
+                processed.tokens, new, None, prepared.sources, pending=pending, opening=opening
             ), True
         tokens = current.tokens + processed.tokens
-        return ImageSet(tokens, current.features, None, pending=processed), False
+        features = current.features
+        if new is not None:
+            features = new if features is None else torch.cat([features, new])
+        return ImageSet(tokens, features, None, pending=pending), False
 
     def first_alone(self, current: ImageSet) -> tuple[ImageSet, bool]:
         """Return the opening image as a conversation of its own, and whether it was re-encoded."""

@@ -8,6 +8,7 @@ passes, so a mismatch fails the worker with a message instead of answering wrong
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -119,9 +120,21 @@ def images_only(processor_class: Any) -> Any:
         def get_attributes(cls) -> list[str]:
             return [a for a in super().get_attributes() if a != "video_processor"]
 
+        def __reduce__(self) -> tuple[Any, ...]:  # image processes get a pickled copy
+            real = (processor_class.__module__, processor_class.__qualname__)
+            return _rebuild_images_only, (*real, self.__dict__)
+
     # Saved and logged under the real class's name, so a checkpoint it writes loads anywhere.
     ImagesOnly.__name__ = ImagesOnly.__qualname__ = processor_class.__name__
     return ImagesOnly
+
+
+def _rebuild_images_only(module: str, qualname: str, state: dict[str, Any]) -> Any:
+    """Unpickle a processor made by `images_only`."""
+    cls = images_only(getattr(importlib.import_module(module), qualname))
+    processor = cls.__new__(cls)
+    processor.__dict__.update(state)
+    return processor
 
 
 def transformers_version() -> str:

@@ -10,6 +10,8 @@ and reused without the vision tower.
 
 from __future__ import annotations
 
+import copy
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +28,65 @@ class ProcessedImages:
     @property
     def total(self) -> int:
         return sum(self.tokens)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"inputs": {k: as_bytes(v) for k, v in self.inputs.items()}, "tokens": self.tokens}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.inputs = {k: from_bytes(v) for k, v in state["inputs"].items()}
+        self.tokens = state["tokens"]
+
+
+# Tensors cross from an image process as plain bytes: torch's own pickling between processes
+# moves them through shared memory, with file descriptors passed by a helper thread.
+def as_bytes(tensor: torch.Tensor) -> tuple[str, tuple[int, ...], bytes]:
+    """Return a CPU tensor as (dtype, shape, bytes), any dtype (numpy has no bfloat16)."""
+    flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    return str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), flat.numpy().tobytes()
+
+
+def from_bytes(plain: tuple[str, tuple[int, ...], bytes]) -> torch.Tensor:
+    """Rebuild a tensor from `as_bytes`."""
+    dtype, shape, data = plain
+    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return raw.view(getattr(torch, dtype)).reshape(shape)
+
+
+def vision_part(model: Any) -> Any:
+    """Return the model's image path (vision tower, projector, their glue) without its language
+    model, sharing the weights: what image processes get a pickled copy of, to run the tower
+    off the step loop."""
+    return unhooked(model.model, skip="language_model")
+
+
+def register_outputs(module: Any) -> None:
+    """Register the models in an unpickled module tree for transformers' output capture.
+
+    transformers records which outputs each model class can capture when a model is built
+    (`PreTrainedModel.__init__`); a process that only unpickled one has no record, and the
+    vision tower then returns no hidden states. The kit's tests check the features an image
+    process computes against the model's own, for every family.
+    """
+    from transformers import PreTrainedModel
+    from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+
+    for part in module.modules():
+        if isinstance(part, PreTrainedModel):
+            _CAN_RECORD_REGISTRY[part] = part._can_record_outputs
+
+
+def unhooked(module: Any, skip: str = "") -> Any:
+    """Copy a module tree without its hooks, sharing parameters and buffers.
+
+    transformers installs output-capturing hooks (closures, which cannot be pickled) on first
+    use and marks the model as hooked; the copy is unmarked, so it installs its own.
+    """
+    clone = copy.copy(module)  # a new __dict__; its dicts are still the original's
+    clone._modules = {k: unhooked(m) for k, m in module._modules.items() if k != skip}
+    for hooks in ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs"):
+        setattr(clone, hooks, OrderedDict())
+    clone.__dict__.pop("_output_capturing_hooks_installed", None)
+    return clone
 
 
 def image_token_id(model: Any) -> int:

@@ -1,10 +1,12 @@
-"""Load images on worker threads, so the step loop never waits on a download or a decode.
+"""Load images off the step loop, so it never waits on a download, a decode or a processor.
 
-Every reference is loaded on a thread, whatever it is: a URL of any scheme in any spelling (the
+Every reference is read on a thread, whatever it is: a URL of any scheme in any spelling (the
 one parser in `refs.py` decides) on the fetch threads, inline bytes (data URI, base64) on their
 own threads, so an image stalled on a slow server never holds up one that is already here. The
-caller's `prepare` (resizing and normalising: the model's processor) runs there too. The step
-loop only polls the returned futures; a load that fails names the `image` field.
+CPU work that follows - decoding, and the engine's preparer (the model's processor: resizing
+and normalising) - runs in image processes (`processes.py`), off the worker's interpreter lock,
+or, with no processes configured, on the same threads. The step loop only polls the returned
+futures; a load that fails names the `image` field.
 """
 
 from __future__ import annotations
@@ -12,17 +14,18 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
 from llava.errors import KitError
+from llava.images.processes import ImageProcesses
 from llava.images.refs import is_inline
 
-# Threads for inline images (decode and prepare only: CPU work, never waits on a remote server).
+# Threads for inline images (reading base64 only: never waits on a remote server).
 LOCAL_THREADS = 2
-# Image threads run at a lower CPU priority than the step loop: on a host with few cores, decoding
-# and resizing must not slow the forwards every stream is waiting on.
+# Image threads run at a lower CPU priority than the step loop: on a host with few cores,
+# reading and (without processes) decoding must not slow the forwards every stream waits on.
 IMAGE_THREAD_NICENESS = 10
 
 
@@ -34,38 +37,66 @@ def _lower_priority() -> None:
 
 
 class ImageSource(Protocol):
-    """Turns an image reference into a decoded image (or raises a `KitError`)."""
+    """Reads an image reference (I/O: fetch, base64) and decodes what it read (CPU)."""
 
-    def load(self, ref: str) -> Any: ...
+    def read(self, ref: str) -> Any:
+        """Return the encoded image `ref` names, or raise a `KitError`."""
+        ...
+
+    @property
+    def decoder(self) -> Callable[[Any], Any]:
+        """Turn what `read` returned into a decoded image (picklable: image processes run it)."""
+        ...
+
+
+# Turns a decoded image, and the conversation's earlier images it is processed with, into the
+# engine's input (picklable: image processes run it).
+Preparer = Callable[[Any, list[Any]], Any]
 
 
 class BackgroundImages:
-    """Submit image loads to a thread pool; each error names the `image` field."""
+    """Read images on threads, decode and prepare them in processes; errors name `image`."""
 
-    def __init__(self, source: ImageSource, threads: int) -> None:
+    def __init__(
+        self, source: ImageSource, prepare: Preparer, *, threads: int, processes: int = 0
+    ) -> None:
         self._source = source
+        self._prepare = prepare
         self._fetch = ThreadPoolExecutor(
             threads, thread_name_prefix="llava-image-fetch", initializer=_lower_priority
         )
         self._local = ThreadPoolExecutor(
             LOCAL_THREADS, thread_name_prefix="llava-image", initializer=_lower_priority
         )
+        self.processes = ImageProcesses(source.decoder, prepare, processes) if processes else None
 
-    def submit(self, ref: str, prepare: Callable[[Any], Any]) -> Future:
-        """Start loading one image and preparing it; the future holds the result or the error."""
+    def submit(
+        self,
+        ref: str,
+        earlier: Sequence[Any] = (),
+        then: Callable[[Any], Any] | None = None,
+    ) -> Future:
+        """Start loading one image and preparing it (with the conversation's `earlier` images);
+        `then` runs on the thread with the result. The future holds the result or the error."""
         pool = self._local if is_inline(ref) else self._fetch
-        return pool.submit(self._load, ref, prepare)
+        return pool.submit(self._load, ref, list(earlier), then)
 
     def close(self) -> None:
-        """Stop the threads, dropping loads not yet started."""
+        """Stop the threads and processes, dropping loads not yet started."""
         for pool in (self._fetch, self._local):
             pool.shutdown(wait=False, cancel_futures=True)
+        if self.processes is not None:
+            self.processes.close()
 
-    def _load(self, ref: str, prepare: Callable[[Any], Any]) -> Any:
+    def _load(self, ref: str, earlier: list[Any], then: Callable[[Any], Any] | None) -> Any:
         try:
-            image = self._source.load(ref)
+            data = self._source.read(ref)
+            if self.processes is not None:
+                prepared = self.processes.run(data, earlier)
+            else:
+                prepared = self._prepare(self._source.decoder(data), earlier)
         except KitError as exc:
             if exc.field is None:
                 exc.field = "image"
             raise
-        return prepare(image)
+        return then(prepared) if then is not None else prepared

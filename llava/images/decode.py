@@ -6,10 +6,12 @@ import functools
 import io
 import threading
 import warnings
+from dataclasses import dataclass
 
 from PIL import Image, ImageOps
 
 from llava.errors import ImageError, ImageTooLarge, KitError
+from llava.images.inline import read_inline
 from llava.images.refs import _clean
 
 # Formats worth accepting from strangers; Pillow's exotic plugins (EPS shells out to
@@ -134,3 +136,20 @@ def _decode_rgb(data: bytes, max_pixels: int) -> Image.Image:
         ) from None
     rgb.load()
     return rgb
+
+
+@dataclass(frozen=True)
+class ImageDecoder:
+    """Turn an encoded image into upright RGB: file bytes, or inline text (data URI, base64).
+
+    Plain data, so image processes each get a copy: they decode inline text too, so base64's
+    CPU work never holds the worker's interpreter lock.
+    """
+
+    max_pixels: int
+    max_bytes: int
+
+    def __call__(self, data: bytes | str) -> Image.Image:
+        if isinstance(data, str):
+            data = read_inline(data, self.max_bytes)
+        return _decode_rgb(data, self.max_pixels)

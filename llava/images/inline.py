@@ -7,7 +7,7 @@ import binascii
 
 from llava.errors import ImageError, InvalidRequest
 from llava.images.limits import _too_many_bytes
-from llava.images.refs import _clean
+from llava.images.refs import _clean, _scheme_of
 
 
 def _b64_limit(max_bytes: int) -> int:
@@ -55,3 +55,10 @@ def _decode_data_uri(ref: str, max_bytes: int) -> bytes:
             "data URI is not base64-encoded; write it as data:image/png;base64,<base64 bytes>"
         )
     return _decode_base64(payload, max_bytes)
+
+
+def read_inline(text: str, max_bytes: int) -> bytes:
+    """Decode an inline reference (a data URI or bare base64) into the image file's bytes."""
+    if _scheme_of(text) == "data":
+        return _decode_data_uri(text, max_bytes)
+    return _decode_base64(text, max_bytes)

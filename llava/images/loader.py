@@ -12,9 +12,8 @@ import httpx
 from PIL import Image
 
 from llava.errors import InvalidRequest
-from llava.images.decode import _decode_rgb
+from llava.images.decode import ImageDecoder
 from llava.images.fetch import _HttpFetch
-from llava.images.inline import _decode_base64, _decode_data_uri
 from llava.images.policy import ImagePolicy
 from llava.images.refs import _scheme_of
 from llava.images.resolve import Resolver, _system_resolver
@@ -40,13 +39,16 @@ class ImageLoader(_HttpFetch, _S3Fetch):
         self._lock = threading.Lock()
         self._s3_client: Any = None
         self._ssl_context: ssl.SSLContext | None = None
+        # Inline text and file bytes to pixels: CPU work that servers run in image processes.
+        self.decoder = ImageDecoder(policy.max_pixels, policy.max_bytes)
 
     def load(self, ref: str) -> Image.Image:
         """Fetch or decode `ref` and return a fully loaded RGB image."""
-        return _decode_rgb(self._read_bytes(ref), self.policy.max_pixels)
+        return self.decoder(self.read(ref))
 
-    def _read_bytes(self, ref: str) -> bytes:
-        """Return the raw bytes a reference names, within the policy's limits."""
+    def read(self, ref: str) -> bytes | str:
+        """Return the encoded image a reference names: the bytes fetched from a URL, or the
+        inline reference itself (the decoder reads base64, off the worker's threads)."""
         if not isinstance(ref, str):
             raise InvalidRequest(
                 "image reference must be a string: an https URL, s3:// URI, data URI or base64"
@@ -57,10 +59,8 @@ class ImageLoader(_HttpFetch, _S3Fetch):
                 "image reference is empty; send an https URL, s3:// URI, data URI or base64"
             )
         scheme = _scheme_of(text)
-        if scheme is None:
-            return _decode_base64(text, self.policy.max_bytes)
-        if scheme == "data":
-            return _decode_data_uri(text, self.policy.max_bytes)
+        if scheme in (None, "data"):
+            return text
         if scheme in ("http", "https"):
             return self._fetch_url(text)
         if scheme == "s3":

@@ -58,7 +58,11 @@ class FakeImages:
     def __init__(self) -> None:
         self.gate = threading.Event()
 
-    def load(self, ref: str) -> str:
+    @staticmethod
+    def decoder(data: Any) -> Any:  # `read` returns the image itself
+        return data
+
+    def read(self, ref: str) -> str:
         if "bad" in ref:
             raise ImageError("cannot decode image", field="image")
         if ref.startswith("https://"):
@@ -88,8 +92,11 @@ class FakeTurn:
 class FakeEngine:
     """Each turn yields the prompt's words, one per step."""
 
-    def prepare(self, image: Any, state: Any = None) -> Any:
-        return image
+    def image_preparer(self) -> Any:
+        return lambda image, earlier: image
+
+    def earlier_images(self, state: Any) -> list[Any]:
+        return []
 
     def new_session(self, image: Any, system_prompt: str | None = None) -> FakeState:
         return FakeState(image)

@@ -49,7 +49,11 @@ class FakeImages:
         self.gate = threading.Event()
         self.loads: list[str] = []
 
-    def load(self, ref: str) -> Picture:
+    @staticmethod
+    def decoder(data: Any) -> Any:  # `read` returns the image itself
+        return data
+
+    def read(self, ref: str) -> Picture:
         self.loads.append(ref)
         if "bad" in ref:
             raise ImageError("cannot decode image", field="image")
@@ -109,8 +113,11 @@ class FakeEngine:
     def names(self) -> list[str]:
         return [name for name, _ in self.calls]
 
-    def prepare(self, image: Any, state: FakeState | None = None) -> Any:
-        return image
+    def image_preparer(self) -> Any:
+        return lambda image, earlier: image
+
+    def earlier_images(self, state: FakeState) -> list[Any]:
+        return []
 
     def new_session(self, image: Any, system_prompt: str | None = None) -> FakeState:
         self.calls.append(("new_session", (image, system_prompt)))
@@ -792,10 +799,10 @@ def test_finish_turn_raising_fails_only_that_request(
 class FieldlessImages(FakeImages):
     """Raise image errors the way llava.images does: without naming a field."""
 
-    def load(self, ref: str) -> Picture:
+    def read(self, ref: str) -> Picture:
         if "bad" in ref:
             raise InvalidRequest("data URI has media type 'text/plain'")
-        return super().load(ref)
+        return super().read(ref)
 
 
 @pytest.mark.parametrize("image", ["data:text/plain;base64,bad", "https://x.example/bad.png"])
