@@ -186,3 +186,27 @@ def serve_rows(service: Any, rows: list[Row], max_steps: int = 2000) -> dict[str
             if reply is not None:
                 bodies[rid] = (reply.status, json.loads(reply.body))
     raise AssertionError("the service never answered")
+
+
+# -- callables for image processes (module-level, so a spawned process can unpickle them) ----
+
+
+def same(data: Any) -> Any:
+    """A decoder for tests whose `read` returns the image itself."""
+    return data
+
+
+def pid_and(image: Any, earlier: list[Any]) -> tuple[int, Any, int]:
+    """A preparer that tells which process ran it."""
+    import os
+
+    return os.getpid(), image, len(earlier)
+
+
+def crash_on(data: Any) -> Any:
+    """A decoder that kills its process on b"crash", as a decoder crashing on a hostile file."""
+    import os
+
+    if data == b"crash":
+        os._exit(1)
+    return data

@@ -256,3 +256,24 @@ def test_worker_start_fails_when_image_features_are_silently_ignored(engine, mon
     monkeypatch.setattr(forward_module, "embed", embed_without_image)
     with pytest.raises(RuntimeError, match=r"transformers 5\.\d+.*pyproject\.toml"):
         engine.self_check()
+
+
+@pytest.mark.parametrize("image_processes", [0, 2])
+def test_the_tower_runs_in_a_step_or_with_the_processor_and_answers_agree(
+    tiny_checkpoint, reference, image_processes
+):
+    """On a CPU with image processes, the processor's process runs the tower too (an open then
+    holds no step for it); without them the tower is a piece of a step. Both give the
+    pipeline's answers, and the steps feed the pacer that sizes the budget."""
+    config = ServerConfig(device="cpu", image_processes=image_processes)
+    engine = LlavaEngine.load(tiny_checkpoint, config)  # step_token_budget 0: calibrated
+    assert engine.pacer is not None
+    image = make_image(3)
+    state = engine.new_session(engine.prepare(image))
+    opening = engine.start_open(state)
+    assert (opening.tower_tokens > 0) == (image_processes == 0)
+    engine.run_to_end(opening)
+    quiet = engine.pacer.quiet_s
+    got = [answer(engine, state, p).text for p in PROMPTS[:2]]
+    assert got == reference.answers(image, PROMPTS[:2], 10)
+    assert engine.pacer.quiet_s != quiet  # its decode-only steps were measured

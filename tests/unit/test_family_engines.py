@@ -20,11 +20,18 @@ PROMPTS = ["What is this?", "Which colors do you see?", "Is it big?", "Why?"]
 SIZES = [(61, 37), (30, 90), (80, 64)]
 
 
-@pytest.fixture(scope="module", params=["next", "onevision", "interleave"])
+# image_processes 2: on a CPU the images' preparer runs the vision tower (in the server's
+# image processes); 0: the tower is a piece of a step, as on a GPU.
+@pytest.fixture(
+    scope="module",
+    params=[("next", 2), ("onevision", 2), ("interleave", 2), ("next", 0), ("onevision", 0)],
+    ids=lambda p: f"{p[0]}-tower-{'with-processor' if p[1] else 'in-step'}",
+)
 def family(request, tmp_path_factory) -> tuple[str, LlavaEngine, Reference]:
-    profile = request.param
+    profile, image_processes = request.param
     checkpoint = build_checkpoint(tmp_path_factory.mktemp("ckpt") / profile, profile)
-    engine = LlavaEngine.load(checkpoint, ServerConfig(device="cpu", max_images_per_session=3))
+    config = ServerConfig(device="cpu", max_images_per_session=3, image_processes=image_processes)
+    engine = LlavaEngine.load(checkpoint, config)
     return profile, engine, Reference(Path(checkpoint))
 
 
