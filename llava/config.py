@@ -53,11 +53,12 @@ class ServerConfig:
     cache_mode: str = "kv"  # "kv": per-session KV cache; "pixels": the reference design
     # Scheduling: the tokens one step may process (decodes, prefill chunks, vision-tower work);
     # what bounds how long any stream waits while others open sessions or ask long questions.
-    # 0 = calibrated at start from this machine's speed (see engine/calibrate.py).
+    # 0 = measured: calibrated at start (engine/calibrate.py), then re-derived before every
+    # step from the steps actually run (engine/pacing.py).
     step_token_budget: int = 0
     # CPU threads for torch's own operators. 0 = one less than the CPUs this worker may use
     # (at most torch's default): the core left over serves TorchServe's frontend and the image
-    # threads, whose work would otherwise stall every forward's thread barrier (measured on
+    # processes, whose work would otherwise stall every forward's thread barrier (measured on
     # 2 cores: single decode steps of 190-300 ms against 12 ms while another process ran).
     torch_threads: int = 0
     reaper_interval_s: float = 5.0
