@@ -24,7 +24,6 @@ processed image, and every question re-runs the vision tower and prefills the wh
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -43,9 +42,9 @@ from llava.engine.imageset import EMPTY, ImageEncoder, ImagePreparer, ImageSet, 
 from llava.engine.loading import load_model, load_processor, resolve_devices
 from llava.engine.pacing import StepCosts, StepPacer
 from llava.engine.sampling import Detokenizer, make_generator
-from llava.engine.scheduler import Pending, plan_step
 from llava.engine.selfcheck import self_check
 from llava.engine.state import Replica, SessionState, Tier, Turn
+from llava.engine.stepping import run_step
 from llava.engine.vision import image_token_id, tower_ratio, vision_part
 from llava.errors import InvalidRequest
 from llava.families import check_model_type, checkpoint_family
@@ -108,6 +107,7 @@ class LlavaEngine:
 
     @staticmethod
     def _tower_in_preparer(config: ServerConfig, replicas: list[Replica]) -> bool:
+        """Tell whether image processes run the vision tower: a CPU model caching KV."""
         on_cpu = all(r.device.type == "cpu" for r in replicas)
         return on_cpu and config.cache_mode == "kv" and config.image_processes > 0
 
@@ -305,84 +305,11 @@ class LlavaEngine:
             features=images.features if not tower else None,
         )
 
-    @torch.inference_mode()
     def step(self, turns: list[Turn]) -> dict[int, BaseException]:
-        """Run this step's share of every turn, as the scheduler plans it; return errors by
-        position. A failing piece fails its own turn only, and leaves its cache as it was."""
-        costs = self.pacer.costs() if self.pacer is not None else self.fixed_costs
-        work = [self._pending(i, t, costs.tower_ratio) for i, t in enumerate(turns) if not t.done]
-        plan = plan_step(work, costs.budget, costs.forward_cost)
-        tower_tokens = sum(turns[i].tower_tokens for i in plan.encode)
-        errors: dict[int, BaseException] = {}
-        started = self._clock()
-        for i in plan.encode:
-            try:
-                self._encode(turns[i])
-            except Exception as exc:  # one failing answer must not fail the others
-                errors[i] = exc
-        encoded = self._clock() if plan.encode else started
-        for i, tokens in plan.prefill.items():
-            try:
-                self._prefill(turns[i], tokens)
-            except Exception as exc:
-                errors[i] = exc
-        prefilled = self._clock() if plan.prefill else encoded
-        decoding: dict[int, list[tuple[int, Turn]]] = {}
-        for i in plan.decode:
-            turn = turns[i]
-            decoding.setdefault(self.replicas.index(turn.state.replica), []).append((i, turn))
-        for replica_idx, group in decoding.items():
-            errors.update(self.decoder.decode(replica_idx, group))
-        if self.pacer is not None and not errors:  # a failed piece's time says nothing
-            self.pacer.observe(
-                plan,
-                tower_tokens,
-                tower_s=encoded - started,
-                prefill_s=prefilled - encoded,
-                decode_s=self._clock() - prefilled,
-            )
-        return errors
-
-    def _clock(self) -> float:
-        """Read the time once the devices are done (GPU work is asynchronous), for the pacer."""
-        if self.pacer is not None:
-            for replica in self.replicas:
-                if replica.device.type == "cuda":
-                    torch.cuda.synchronize(replica.device)
-        return time.perf_counter()
-
-    def _pending(self, index: int, turn: Turn, tower_ratio: float) -> Pending:
-        tower = turn.tower_tokens
-        return Pending(
-            index=index,
-            decoding=not turn.prefilling,
-            tower_cost=max(1, round(tower * tower_ratio)) if tower else 0,
-            prefill=len(turn.pending),
-            follow_up=turn.start_len > 0,
-        )
-
-    def _encode(self, turn: Turn) -> None:
-        """Run the vision tower over the turn's new images (all of them, in pixels mode)."""
-        replica = turn.state.replica
-        if turn.images.pending is not None:
-            turn.images = self.images.encode_pending(replica.model, replica.device, turn.images)
-        turn.features = self.images.features(replica.model, replica.device, turn.images)
-        turn.tower_tokens = 0
-
-    def _prefill(self, turn: Turn, tokens: int) -> None:
-        """Feed the next `tokens` pending ids; after the last chunk, choose the first token."""
-        chunk, rest = turn.pending[:tokens], turn.pending[tokens:]
-        offset = sum(1 for i in turn.fed if i == self.image_token_id)
-        last = not rest and not turn.opening
-        token = self.decoder.feed(turn, chunk, turn.features, offset, sample=last)
-        turn.fed, turn.pending = turn.fed + chunk, rest
-        if rest:
-            return
-        turn.first_token_at = time.perf_counter()
-        if token is None:  # an open: its prefix is cached, nothing to generate
-            turn.done, turn.finished_at = True, turn.first_token_at
-            return
-        self.decoder.accept(turn, token)
+        """Run this step's share of every turn, as the scheduler plans it (`stepping.py`);
+        return errors by position. A failing piece fails its own turn only, and leaves its
+        cache as it was."""
+        return run_step(self, turns)
 
     def forward(
         self,

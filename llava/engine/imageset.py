@@ -5,7 +5,8 @@ piece of it:
 - `ImagePreparer` (decode already done; resizing, normalising, counting tokens: the
   processor) is pure CPU work and runs in the server's image processes, never on the step loop;
 - the vision tower (`encode_pending`) runs inside a step, scheduled against the step's token
-  budget like a prefill chunk.
+  budget like a prefill chunk; or, for a model on the CPU, in the preparer too (the image
+  processes' cores are the model's, and the step loop then holds no stream for it).
 
 Families differ in how the images of one conversation relate:
 - LLaVA-1.5, Interleave and NeXT encode each image on its own, so an image added mid-conversation

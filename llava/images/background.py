@@ -22,7 +22,8 @@ from llava.errors import KitError
 from llava.images.processes import ImageProcesses
 from llava.images.refs import is_inline
 
-# Threads for inline images (reading base64 only: never waits on a remote server).
+# Threads for inline images (they hand the text to the image processes, or decode it without
+# them: never waiting on a remote server).
 LOCAL_THREADS = 2
 # Image threads run at a lower CPU priority than the step loop: on a host with few cores,
 # reading and (without processes) decoding must not slow the forwards every stream waits on.
