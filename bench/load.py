@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import argparse
 import base64
-import contextlib
 import io
 import json
+import multiprocessing
 import os
 import platform
 import random
@@ -37,7 +37,7 @@ import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -114,18 +114,20 @@ class Client:
 # -- stream gaps -------------------------------------------------------------------------------
 
 
-def stream_gaps(client: Client, opens: int, quiet_chunks: int) -> dict[str, Any]:
+def stream_gaps(
+    client: Client, opener: ProcessPoolExecutor, opens: int, quiet_chunks: int
+) -> dict[str, Any]:
     """Stream one answer; open `opens` sessions at once after `quiet_chunks` lines.
 
     The stream sends a line per token; `text_*` figures count only lines with text, what a
     reader sees (a random model's tokens often complete no character: those gaps span several
-    steps even when nothing else runs).
+    steps even when nothing else runs). The opens come from `opener`, another process: threads
+    of this one would hold its interpreter lock while they send the images, and delay the
+    stream's lines here, not on the server.
     """
     sid = client.open(photo_uri(0))
     body = query_body("Tell me a long story about this picture.", 1000, stream=True)
     lines: list[tuple[float, bool]] = []  # (arrival, carries text)
-    window: dict[str, float] = {}
-
     images = [photo_uri(100 + i) for i in range(opens)]  # encoded before the clock starts
 
     def watch() -> None:
@@ -139,12 +141,9 @@ def stream_gaps(client: Client, opens: int, quiet_chunks: int) -> dict[str, Any]
     streamer.start()
     while len(lines) < quiet_chunks and streamer.is_alive():
         time.sleep(0.005)
-    window["start"] = time.perf_counter()
-    # The opening client runs at the lowest CPU priority: a real client is on another machine
-    # and takes no CPU from the server, while here client, frontend and worker share 2 cores.
-    with ThreadPoolExecutor(opens, initializer=_as_remote_client) as pool:
-        opened = list(pool.map(client.open, images))
-    window["end"] = time.perf_counter()
+    # perf_counter is the system's monotonic clock: the opener's readings compare with ours.
+    started, ended, opened = opener.submit(open_all, client.url, images).result()
+    window = {"start": started, "end": ended}
     streamer.join()
     for other in [sid, *opened]:
         client.close(other)
@@ -161,6 +160,16 @@ def stream_gaps(client: Client, opens: int, quiet_chunks: int) -> dict[str, Any]
         "opens_wall_ms": round((window["end"] - window["start"]) * 1000, 1),
         "lines": len(lines),
     }
+
+
+def open_all(url: str, images: list[str]) -> tuple[float, float, list[str]]:
+    """Open a session per image at once (in the opener process); return when it started, when
+    the last open was answered, and the session ids."""
+    client = Client(url)
+    with ThreadPoolExecutor(len(images)) as pool:
+        started = time.perf_counter()
+        opened = list(pool.map(client.open, images))
+        return started, time.perf_counter(), opened
 
 
 def _gaps(times: list[float], window: dict[str, float]) -> dict[str, float]:
@@ -181,17 +190,15 @@ def _gaps(times: list[float], window: dict[str, float]) -> dict[str, float]:
 
 def gap_runs(client: Client, opens: int, runs: int) -> dict[str, Any]:
     """Measure `runs` times on one server (after a warm-up run); keep every run and the worst."""
-    stream_gaps(client, opens, quiet_chunks=15)  # warm-up run, not kept
-    each = [stream_gaps(client, opens, quiet_chunks=30) for _ in range(runs)]
+    # The opener: another process at the lowest CPU priority, as a remote client takes no CPU
+    # from the server (here client, frontend and worker share the cores).
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(1, mp_context=spawn, initializer=os.nice, initargs=(19,)) as opener:
+        stream_gaps(client, opener, opens, quiet_chunks=15)  # warm-up run, not kept
+        each = [stream_gaps(client, opener, opens, quiet_chunks=30) for _ in range(runs)]
     worst = max(each, key=lambda r: r["gap_ratio"])
     ratios = sorted(r["gap_ratio"] for r in each)
     return {**worst, "median_gap_ratio": ratios[len(ratios) // 2], "runs": each}
-
-
-def _as_remote_client() -> None:
-    """Lower this thread's CPU priority to the least (Linux schedules threads on their own)."""
-    with contextlib.suppress(AttributeError, OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 # -- capacity ----------------------------------------------------------------------------------
