@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,13 +43,33 @@ def chromium() -> str:
 
 
 class RecordingClient(SessionClient):
-    """The page's client, keeping every session it opens (to check them from outside)."""
+    """The page's client, keeping every session it opens (to check them from outside).
+
+    With `hold_after` set, a stream waits after that many deltas until `release` is set: the
+    tiny model answers 1024 tokens in about 2 s, so without the hold a Stop could come after
+    the page had already read the whole answer.
+    """
 
     opened: list[Session] = []
+    hold_after: int | None = None
+    release = threading.Event()
 
     def session(self, *args: Any, **kwargs: Any) -> Session:
         session = super().session(*args, **kwargs)
         self.opened.append(session)
+        stream = session.stream
+
+        def held(*args: Any, **kwargs: Any) -> Iterator[str]:
+            deltas = stream(*args, **kwargs)
+            try:
+                for i, delta in enumerate(deltas):
+                    if i == RecordingClient.hold_after:
+                        assert RecordingClient.release.wait(60), "the test never released it"
+                    yield delta
+            finally:
+                deltas.close()  # type: ignore[attr-defined]
+
+        session.stream = held  # type: ignore[method-assign]
         return session
 
 
@@ -166,9 +187,14 @@ def test_chat_in_a_real_browser(page: Any, torchserve: TorchServe, tmp_path: Pat
 
     # Stop a long answer: it is dropped from the page and from the session.
     set_max_tokens(page, 1024)
+    RecordingClient.release.clear()
+    RecordingClient.hold_after = 20
     ask(page, "Tell me a very long story.")
     page.wait_for_function("window.lengths.length > 3", timeout=30_000)
-    page.click("#stop")
+    with page.expect_response(lambda response: response.request.method == "POST"):
+        page.click("#stop")  # answered once the page's server has taken the stop
+    RecordingClient.hold_after = None
+    RecordingClient.release.set()
     page.wait_for_function(
         "document.querySelector('#notice').innerText.includes('Stopped')", timeout=30_000
     )
