@@ -210,3 +210,20 @@ def crash_on(data: Any) -> Any:
     if data == b"crash":
         os._exit(1)
     return data
+
+
+class Unloadable:
+    """A preparer that pickles but cannot be unpickled: an image process fails to start."""
+
+    def __call__(self, image: Any, earlier: list[Any]) -> Any:
+        return image
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _refuse, ()
+
+
+def _refuse() -> Any:
+    raise RuntimeError("this preparer cannot be loaded here")
+
+
+unloadable = Unloadable()

@@ -114,7 +114,13 @@ class ImageProcesses:
         """Start every process now and wait for them (each imports the processor's libraries:
         seconds), so the first images do not wait; return their process ids."""
         futures = [self._pool.submit(_started) for _ in range(self.count)]
-        return [future.result(timeout_s) for future in futures]
+        try:
+            return [future.result(timeout_s) for future in futures]
+        except Exception as exc:
+            raise RuntimeError(
+                f"the image processes did not start ({exc!r}); the worker log shows the first "
+                "error. Set image_processes: 0 to prepare images on threads instead"
+            ) from exc
 
     def run(self, data: Any, earlier: Sequence[Any] = ()) -> Any:
         """Decode and prepare one image in a process; blocks the calling image thread."""

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import crash_on, data_uri, make_image, pid_and, same
+from helpers import crash_on, data_uri, make_image, pid_and, same, unloadable
 
 from llava.config import ServerConfig
 from llava.engine import LlavaEngine
@@ -136,3 +136,12 @@ def test_the_tower_in_an_image_process_gives_the_models_own_features(tmp_path, p
         processed = process_images(engine.processor, together, engine.image_token_id)
         assert prepared.processed.tokens == processed.tokens
         assert torch.equal(prepared.features, image_features(model, processed, HOST))
+
+
+def test_processes_that_cannot_start_say_what_to_set() -> None:
+    processes = ImageProcesses(same, unloadable, 1)
+    try:
+        with pytest.raises(RuntimeError, match="image_processes: 0"):
+            processes.start(timeout_s=120)
+    finally:
+        processes.close()
