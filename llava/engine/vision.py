@@ -48,7 +48,9 @@ def as_bytes(tensor: torch.Tensor) -> tuple[str, tuple[int, ...], bytes]:
 def from_bytes(plain: tuple[str, tuple[int, ...], bytes]) -> torch.Tensor:
     """Rebuild a tensor from `as_bytes`."""
     dtype, shape, data = plain
-    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    if not data:  # torch.frombuffer refuses an empty buffer
+        return torch.empty(shape, dtype=getattr(torch, dtype))
+    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)  # writable: a copy of its own
     return raw.view(getattr(torch, dtype)).reshape(shape)
 
 

@@ -19,7 +19,7 @@ from helpers import crash_on, data_uri, make_image, pid_and, same, unloadable
 from llava.config import ServerConfig
 from llava.engine import LlavaEngine
 from llava.engine.loading import HOST
-from llava.engine.vision import image_features, process_images
+from llava.engine.vision import as_bytes, from_bytes, image_features, process_images
 from llava.errors import ImageError
 from llava.images import ImageLoader
 from llava.images.background import BackgroundImages
@@ -145,3 +145,11 @@ def test_processes_that_cannot_start_say_what_to_set() -> None:
             processes.start(timeout_s=120)
     finally:
         processes.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+@pytest.mark.parametrize("shape", [(2, 3), (0, 4), (1,)])
+def test_tensors_cross_as_plain_bytes_unchanged(dtype, shape) -> None:
+    tensor = (torch.arange(int(torch.tensor(shape).prod())) * 3 - 1).reshape(shape).to(dtype)
+    back = from_bytes(as_bytes(tensor))
+    assert back.dtype == dtype and back.shape == tensor.shape and torch.equal(back, tensor)
