@@ -17,6 +17,7 @@ next turn recomputes the prefix); those without one answer 400 `session_lost`.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from http import HTTPStatus
@@ -82,6 +83,18 @@ def open_snapshots(config: ServerConfig, context: Any) -> Any:
             exc,
         )
         return None
+
+
+def freeze_startup_objects() -> None:
+    """Keep what startup built out of every later garbage collection.
+
+    torch, transformers and the model leave some 360,000 objects that live as long as the
+    worker; a full collection walks them all, about 125 ms on 2 cores, during which every
+    stream waits. Frozen, they are never walked again (as CPython's `gc.freeze` documents for
+    long-running servers), and a full collection walks only what sessions allocated since.
+    """
+    gc.collect()  # garbage left by startup is freed, not kept for ever
+    gc.freeze()
 
 
 class SessionHandler:
@@ -168,6 +181,7 @@ class SessionHandler:
             snapshots=snapshots,
         )
         self.service.start_image_processes()
+        freeze_startup_objects()
         log.info("llava handler ready: %s", config)
 
     def handle(self, data: list[dict[str, Any]], context: Any) -> list[Any]:

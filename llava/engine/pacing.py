@@ -19,9 +19,16 @@ from typing import NamedTuple
 
 from llava.engine.scheduler import StepPlan
 
-GAP_FACTOR = 1.5  # a step's prefill work may cost this many quiet steps (the stream waits 2.5)
+GAP_FACTOR = 2.0  # a step's prefill work may cost this many quiet steps (the stream waits 3)
 MIN_BUDGET, MAX_BUDGET = 16, 4096
 SMOOTHING = 0.2  # the weight of the newest step in each running average
+# A quiet step slower than the average counts this little, so the average follows the pace of
+# a step with nothing beside it: decode steps slow down while opens are prepared beside them
+# (image processes, TorchServe re-sending the waiting bodies: 20-60% on 2 cores, for hundreds of
+# steps), and a budget grown from those steps made the chunks that followed a third longer than
+# the stream's quiet pace allows. A lasting change (more answers decoding) still moves it,
+# within about a thousand steps; a faster step moves it at once.
+RISE_SMOOTHING = 0.002
 # One step's surprise moves an average by at most this factor: a pause (garbage collection,
 # a page fault storm) must not throw the budget off for many steps.
 MAX_SURPRISE = 4.0
@@ -35,9 +42,9 @@ class StepCosts(NamedTuple):
     forward_cost: int  # the fixed cost of one more forward (a prefill chunk)
 
 
-def _average(old: float, sample: float) -> float:
+def _average(old: float, sample: float, rise: float = SMOOTHING) -> float:
     sample = min(max(sample, old / MAX_SURPRISE), old * MAX_SURPRISE)
-    return old + SMOOTHING * (sample - old)
+    return old + (rise if sample > old else SMOOTHING) * (sample - old)
 
 
 @dataclass
@@ -63,9 +70,9 @@ class StepPacer:
         return StepCosts(
             budget=budget,
             tower_ratio=self.tower_s * self.tower_scale / token_s,
-            # A chunk always pays its forward; charging more than half the budget for it would
-            # leave chunks too short to finish an open in a reasonable number of steps.
-            forward_cost=min(budget // 2, round(self.forward_s / self.token_s)),
+            # A chunk always pays its forward, at its full price: where that is most of the
+            # budget (a CPU), the scheduler still gives the oldest piece a share of it.
+            forward_cost=round(self.forward_s / self.token_s),
         )
 
     def observe(
@@ -85,4 +92,4 @@ class StepPacer:
             expected = sum(self.forward_s + n * self.token_s for n in plan.prefill.values())
             self.prefill_scale = _average(self.prefill_scale, prefill_s / expected)
         elif plan.decode and not plan.encode:
-            self.quiet_s = _average(self.quiet_s, decode_s)
+            self.quiet_s = _average(self.quiet_s, decode_s, rise=RISE_SMOOTHING)

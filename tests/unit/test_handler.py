@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import threading
 from collections.abc import Iterator
@@ -21,7 +22,7 @@ from llava.protocol import (
 from llava.replies import Reply
 from llava.service import SessionService
 from llava.sessions import SessionStore
-from llava.torchserve import SessionHandler
+from llava.torchserve import SessionHandler, freeze_startup_objects
 
 DATA_IMAGE = "data:image/png;base64,AAAA"
 HTTPS_IMAGE = "https://images.example.com/cat.png"
@@ -400,3 +401,15 @@ def test_unusual_statuses_get_a_reason_phrase(handler: SessionHandler) -> None:
     handler.service = StubService([Reply(b"{}", status=499), Reply(b"{}", status=599)])  # type: ignore[assignment]
     _, context = call(handler, [("a", b"{}", {}), ("b", b"{}", {})])
     assert context.statuses == {0: (499, "Client Closed Request"), 1: (599, "Error")}
+
+
+def test_startup_objects_are_kept_out_of_later_collections() -> None:
+    gc.unfreeze()  # start from nothing frozen (another test may have frozen)
+    startup = [[i] for i in range(10_000)]  # what loading the model leaves behind
+    try:
+        freeze_startup_objects()
+        assert gc.get_freeze_count() >= len(startup)
+        walked = {id(o) for o in gc.get_objects()}  # what a full collection walks
+        assert not any(id(o) in walked for o in startup)
+    finally:
+        gc.unfreeze()

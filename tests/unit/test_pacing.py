@@ -26,7 +26,7 @@ def prefill_step(p: StepPacer, chunk: int, seconds_per_predicted: float) -> None
 def test_the_calibrated_budget_prices_prefill_at_the_gap_factor() -> None:
     costs = pacer().costs()
     assert costs.budget == int(GAP_FACTOR * 12 / 0.4)
-    assert costs.forward_cost == min(costs.budget // 2, 20)  # 8 ms of fixed cost = 20 tokens
+    assert costs.forward_cost == 20  # 8 ms of fixed cost = 20 tokens, at its full price
     assert costs.tower_ratio == pytest.approx(0.1)
 
 
@@ -44,14 +44,26 @@ def test_prefill_slower_than_calibrated_shrinks_the_budget_to_match() -> None:
 
 def test_a_slower_machine_keeps_the_budget_a_faster_one_grows_it() -> None:
     slow = pacer()
-    for _ in range(60):  # everything twice as slow: quiet steps and prefill alike
+    for _ in range(4000):  # everything twice as slow, for good: quiet steps and prefill alike
         slow.observe(StepPlan(decode=[0]), 0, tower_s=0.0, prefill_s=0.0, decode_s=24 * MS)
         prefill_step(slow, 10, 2.0)
     assert slow.costs().budget == pytest.approx(pacer().costs().budget, abs=1)
     fast = pacer()  # named for what it shows: the prefill is fast against a slow decode
-    for _ in range(60):  # quiet steps take longer, prefill as calibrated: more room per step
+    for _ in range(4000):  # quiet steps take longer, prefill as calibrated: more room per step
         fast.observe(StepPlan(decode=[0]), 0, tower_s=0.0, prefill_s=0.0, decode_s=24 * MS)
     assert fast.costs().budget == pytest.approx(GAP_FACTOR * 24 / 0.4, abs=1)
+
+
+def test_a_burst_of_slow_quiet_steps_barely_grows_the_budget_a_fast_one_shrinks_it() -> None:
+    p = pacer()
+    before = p.costs().budget
+    for _ in range(150):  # opens prepared beside the stream slow its decode steps by half
+        p.observe(StepPlan(decode=[0]), 0, tower_s=0.0, prefill_s=0.0, decode_s=18 * MS)
+    assert p.quiet_s < 12 * MS * 1.2  # a running average of all steps would be near 18 ms
+    assert p.costs().budget <= before * 1.2
+    for _ in range(10):
+        p.observe(StepPlan(decode=[0]), 0, tower_s=0.0, prefill_s=0.0, decode_s=6 * MS)
+    assert p.quiet_s < 12 * MS * 0.6  # the quiet pace follows a faster step at once
 
 
 def test_one_odd_step_moves_the_averages_by_a_bounded_amount() -> None:
