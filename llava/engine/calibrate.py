@@ -7,7 +7,8 @@ memory-bound as decoding, a token costs about a token) and a GPU (a decode step 
 weight for one token; a prefill chunk of hundreds of tokens reads them once). So with
 `step_token_budget: 0` (the default) the engine times, on the loaded model, a decode step, two
 prefill chunks of different lengths over a cache holding an image's worth of tokens (a chunk's
-cost is a fixed part, paid by every forward, plus a part per token) and a run of the vision
+cost is a fixed part, paid by every forward, plus a part per token), a chunk packed beside a
+decode (its fixed part there is smaller: the weights are read anyway) and a run of the vision
 tower. `pacing.StepPacer` starts from these figures and follows the steps actually run.
 """
 
@@ -22,6 +23,7 @@ import torch
 
 from llava.engine.cache import crop_to, new_cache
 from llava.engine.pacing import StepPacer
+from llava.engine.packed import Piece, packed_forward
 from llava.engine.vision import image_features, process_images
 
 if TYPE_CHECKING:
@@ -76,17 +78,34 @@ def calibrate(engine: LlavaEngine) -> StepPacer:
     per_token = max((long - short) / (PROBE - SHORT), 1e-9)
     fixed = max(short - SHORT * per_token, 0.0)
     tower = _best_of(2, lambda: image_features(replica.model, processed, device), sync)
+    rider = None
+    if engine.packs:  # a chunk of SHORT tokens packed beside a decode: what it adds
+        other = new_cache(engine.num_layers)
+        engine.forward(replica, other, [filler] * context, None, 0)
+
+        def packed() -> None:
+            pieces = [Piece(other, [filler]), Piece(cache, [filler] * SHORT)]
+            packed_forward(replica.model, pieces, engine.image_token_id)
+            crop_to(other, context)
+            crop_to(cache, context)
+
+        rider = max(_best_of(3, packed, sync) - decode - SHORT * per_token, 0.0)
     pacer = StepPacer(
-        quiet_s=decode, token_s=per_token, forward_s=fixed, tower_s=tower / processed.total
+        quiet_s=decode,
+        token_s=per_token,
+        forward_s=fixed,
+        tower_s=tower / processed.total,
+        rider_s=rider,
     )
     costs = pacer.costs()
     log.info(
-        "step costs calibrated: decode step %.1f ms, prefill %.1f ms + %.3f ms/token, vision "
-        "tower %.1f ms per image -> %d tokens per step to start with, %d per extra forward "
-        "(set step_token_budget to fix the budget instead)",
+        "step costs calibrated: decode step %.1f ms, prefill %.1f ms + %.3f ms/token "
+        "(packed beside a decode: %s), vision tower %.1f ms per image -> %d tokens per step to "
+        "start with, %d per extra forward (set step_token_budget to fix the budget instead)",
         decode * 1000,
         fixed * 1000,
         per_token * 1000,
+        "not packed" if rider is None else f"{rider * 1000:.1f} ms + the tokens",
         tower * 1000,
         costs.budget,
         costs.forward_cost,

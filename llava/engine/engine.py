@@ -41,6 +41,7 @@ from llava.engine.forward import forward
 from llava.engine.imageset import EMPTY, ImageEncoder, ImagePreparer, ImageSet, PreparedImages
 from llava.engine.loading import load_model, load_processor, resolve_devices
 from llava.engine.pacing import StepCosts, StepPacer
+from llava.engine.packed import enable_packing
 from llava.engine.sampling import Detokenizer, make_generator
 from llava.engine.selfcheck import self_check
 from llava.engine.state import Replica, SessionState, Tier, Turn
@@ -84,10 +85,12 @@ class LlavaEngine:
             eos = self.tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
         self.decoder = Decoder(replicas, self.forward, self.eos_ids)
+        # A step's chunks and decodes share one forward per replica where the model allows it.
+        self.packs = all([enable_packing(r.model) for r in replicas])
         # A configured budget counts tokens only, the tower costed by parameter counts; `load`
         # calibrates a pacer instead when the budget is left to it (step_token_budget: 0).
         budget = config.step_token_budget or DEFAULT_STEP_BUDGET
-        self.fixed_costs = StepCosts(budget, tower_ratio(model), 0)
+        self.fixed_costs = StepCosts(budget, tower_ratio(model), 0, 0)
         self.pacer: StepPacer | None = None
         self.fingerprint = ""  # the checkpoint's identity, for snapshots (set by `load`)
 

@@ -7,7 +7,9 @@ processes share the cores (measured on 2 cores: 16-token chunks took 20 ms in se
 14.7 ms calibrated, so the stream's longest gap went past its target). The pacer keeps running
 averages of what the steps really take - a quiet step (decodes only), prefill against the cost
 model's prediction, the tower against its own - and re-derives the budget before every step, so
-a step's prefill work keeps costing about `GAP_FACTOR` quiet steps whatever the load.
+a step's prefill work keeps costing about `GAP_FACTOR` quiet steps whatever the load. Where the
+engine packs a step into one forward (`packed.py`), a chunk beside a decode costs only what it
+adds to that forward: the step's time less a quiet step's.
 
 Pure: no torch, so the policy is tested on its own with made-up timings.
 """
@@ -19,7 +21,7 @@ from typing import NamedTuple
 
 from llava.engine.scheduler import StepPlan
 
-GAP_FACTOR = 2.0  # a step's prefill work may cost this many quiet steps (the stream waits 3)
+GAP_FACTOR = 1.5  # a step's prefill work may cost this many quiet steps (the stream waits 2.5)
 MIN_BUDGET, MAX_BUDGET = 16, 4096
 SMOOTHING = 0.2  # the weight of the newest step in each running average
 # A quiet step slower than the average counts this little, so the average follows the pace of
@@ -40,6 +42,8 @@ class StepCosts(NamedTuple):
     budget: int  # tokens a step's prefill work may cost
     tower_ratio: float  # the vision tower's cost per image token it produces
     forward_cost: int  # the fixed cost of one more forward (a prefill chunk)
+    # the fixed cost of a chunk packed into a forward that runs anyway (None: no packing)
+    rider_cost: int | None = None
 
 
 def _average(old: float, sample: float, rise: float = SMOOTHING) -> float:
@@ -60,6 +64,7 @@ class StepPacer:
     token_s: float  # calibrated: prefill seconds per token
     forward_s: float  # calibrated: a prefill forward's fixed seconds, whatever its length
     tower_s: float  # calibrated: vision-tower seconds per image token it produces
+    rider_s: float | None = None  # calibrated: a chunk packed beside a decode, fixed seconds
     prefill_scale: float = 1.0  # measured / calibrated prefill time (running average)
     tower_scale: float = 1.0  # measured / calibrated tower time (running average)
 
@@ -73,6 +78,7 @@ class StepPacer:
             # A chunk always pays its forward, at its full price: where that is most of the
             # budget (a CPU), the scheduler still gives the oldest piece a share of it.
             forward_cost=round(self.forward_s / self.token_s),
+            rider_cost=None if self.rider_s is None else round(self.rider_s / self.token_s),
         )
 
     def observe(
@@ -88,8 +94,18 @@ class StepPacer:
         if plan.encode and tower_tokens:
             expected = tower_tokens * self.tower_s
             self.tower_scale = _average(self.tower_scale, tower_s / expected)
-        if plan.prefill:
-            expected = sum(self.forward_s + n * self.token_s for n in plan.prefill.values())
+        if plan.prefill and self.rider_s is not None and plan.decode:
+            # Packed: the chunks ran inside the decode forward; what they added is the excess
+            # over a quiet step.
+            expected = sum(self.rider_s + n * self.token_s for n in plan.prefill.values())
+            added = prefill_s + decode_s - self.quiet_s
+            self.prefill_scale = _average(self.prefill_scale, added / expected)
+        elif plan.prefill:
+            # One forward for all chunks when packed, else one each.
+            forwards = 1 if self.rider_s is not None else len(plan.prefill)
+            extra = (len(plan.prefill) - forwards) * (self.rider_s or 0.0)
+            expected = forwards * self.forward_s + extra
+            expected += self.token_s * sum(plan.prefill.values())
             self.prefill_scale = _average(self.prefill_scale, prefill_s / expected)
         elif plan.decode and not plan.encode:
             self.quiet_s = _average(self.quiet_s, decode_s, rise=RISE_SMOOTHING)

@@ -7,9 +7,11 @@ work that starts answers, in order:
 2. opens and one-shot answers (long prefills: an image's tokens),
 each in arrival order. That work is cut into pieces: the vision tower over a request's new
 images (costed by the tokens it produces, scaled by the tower's size against the language
-model's) and prefill chunks of at most the budget. Each prefill chunk is one more forward, and a
-forward has a fixed cost whatever its length (reading the weights: on a CPU about one decode
-step); `forward_cost` charges it, in tokens, so a step never runs more forwards than it can pay.
+model's) and prefill chunks of at most the budget. A forward has a fixed cost whatever its length
+(reading the weights: on a CPU about one decode step); `forward_cost` charges it, in tokens, to a
+chunk that needs a forward of its own. Where the engine packs a step's pieces into one forward
+(`packed.py`), a chunk rides the forward that runs anyway and pays only `rider_cost`, what adding
+a sequence to a forward costs; only the first chunk of a step with nothing decoding starts one.
 The oldest waiting piece always gets some of the step, so nothing starves; a piece that does not
 fit waits for the next step, and nothing behind it overtakes it. This is chunked prefill as vLLM
 and SGLang schedule it. A step in which no answer is decoding holds no stream, only requests
@@ -53,12 +55,16 @@ class StepPlan:
         return len(self.decode) + sum(self.prefill.values())
 
 
-def plan_step(work: list[Pending], budget: int, forward_cost: int = 0) -> StepPlan:
+def plan_step(
+    work: list[Pending], budget: int, forward_cost: int = 0, rider_cost: int | None = None
+) -> StepPlan:
     """Choose this step's decodes, tower runs and prefill chunks within `budget` tokens, a
-    prefill chunk costing `forward_cost` on top of its tokens."""
+    prefill chunk costing `forward_cost` on top of its tokens, or `rider_cost` where it rides a
+    packed forward (None: the engine does not pack; every chunk runs a forward of its own)."""
     plan = StepPlan(decode=[w.index for w in work if w.decoding])
     if not plan.decode:
         budget *= IDLE_FACTOR
+    cost = rider_cost if rider_cost is not None and plan.decode else forward_cost
     share = max(budget // MIN_PREFILL_SHARE, 1)
     left = max(budget - len(plan.decode), share)
     waiting = [w for w in work if not w.decoding]
@@ -71,12 +77,14 @@ def plan_step(work: list[Pending], budget: int, forward_cost: int = 0) -> StepPl
             plan.encode.append(w.index)
             left -= w.tower_cost
         elif w.prefill:
-            room = left - forward_cost if not first else max(left - forward_cost, share)
+            room = left - cost if not first else max(left - cost, share)
             if room <= 0:
                 break
             chunk = min(w.prefill, room)
             plan.prefill[w.index] = chunk
-            left -= forward_cost + chunk
+            left -= cost + chunk
+            if rider_cost is not None:  # the step's forward now runs: later chunks ride it
+                cost = rider_cost
         first = False
         if left <= 0:
             break

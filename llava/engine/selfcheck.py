@@ -1,21 +1,27 @@
 """The start-up check: this transformers takes the input embeddings the engine builds.
 
 An older `LlavaModel.forward` silently ignores features it does not know how to take; the check
-compares the engine's path with the model's own on the same input, on a blank image.
+compares the engine's path with the model's own on the same input, on a blank image. It then
+compares a packed forward (`packed.py`) with the pieces' own forwards, and stops packing if they
+differ.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
 
 from llava.engine.cache import new_cache
 from llava.engine.loading import transformers_version
+from llava.engine.packed import Piece, packed_forward
 from llava.engine.vision import image_features, model_inputs, process_images
 
 if TYPE_CHECKING:
     from llava.engine.engine import LlavaEngine
+
+log = logging.getLogger(__name__)
 
 
 @torch.inference_mode()
@@ -40,10 +46,47 @@ def self_check(engine: LlavaEngine) -> None:
             f"transformers {transformers_version()} cannot serve this checkpoint the way the "
             f"engine does ({exc}); install the version range in pyproject.toml"
         ) from exc
-    tolerance = 1e-3 if replica.model.dtype == torch.float32 else 5e-2
-    scale = float(theirs.abs().max()) or 1.0
-    if float((ours.float() - theirs.float()).abs().max()) > tolerance * scale:
+    if not _close(ours, theirs, replica.model.dtype):
         raise RuntimeError(
             f"transformers {transformers_version()} answers differently when the engine "
             "passes image features itself; install the version range in pyproject.toml"
         )
+    if engine.packs and not _packs_alike(engine, ids, features):
+        engine.packs = False
+        log.warning(
+            "transformers %s answers differently when a step's pieces share one forward: "
+            "each prefill chunk runs a forward of its own (slower steps beside streams)",
+            transformers_version(),
+        )
+
+
+def _close(ours: torch.Tensor, theirs: torch.Tensor, dtype: torch.dtype) -> bool:
+    tolerance = 1e-3 if dtype == torch.float32 else 5e-2
+    scale = float(theirs.abs().max()) or 1.0
+    return float((ours.float() - theirs.float()).abs().max()) <= tolerance * scale
+
+
+def _packs_alike(engine: LlavaEngine, ids: list[int], features: torch.Tensor) -> bool:
+    """Compare a packed forward (a decode beside a chunk with image tokens) with each piece's
+    own forward: what the packing attention gives this transformers' models."""
+    replica = engine.replicas[0]
+    split = len(ids) // 2
+    caches = [new_cache(engine.num_layers) for _ in range(4)]
+    for cache in caches:  # the same first half, so each piece has a cache to extend
+        engine.forward(replica, cache, ids[:split], features, 0)
+    offset = sum(1 for i in ids[:split] if i == engine.image_token_id)
+    token = next(i for i in reversed(ids) if i != engine.image_token_id)
+    alone = [
+        engine.forward(replica, caches[0], [token], features, 0),
+        engine.forward(replica, caches[1], ids[split:], features, offset),
+    ]
+    try:
+        packed = packed_forward(
+            replica.model,
+            [Piece(caches[2], [token]), Piece(caches[3], ids[split:], features, offset)],
+            engine.image_token_id,
+        )
+    except Exception:
+        log.warning("a packed forward failed", exc_info=True)
+        return False
+    return all(_close(packed[row], alone[row], replica.model.dtype) for row in range(2))

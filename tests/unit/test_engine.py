@@ -66,8 +66,8 @@ def test_concurrent_answers_share_one_forward_per_step(tiny_checkpoint):
         lambda module, args, kwargs, out: calls.append(fed_shape(kwargs)), with_kwargs=True
     )
     try:
-        assert not engine.step(turns)  # prefills: one forward each
-        assert len(calls) == 6
+        assert not engine.step(turns)  # the six prefills packed in one forward, one row
+        assert calls == [(1, sum(len(t.ids) - t.cached_tokens for t in turns))]
         calls.clear()
         steps = 0
         while not all(t.done for t in turns):

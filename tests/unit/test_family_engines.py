@@ -135,3 +135,39 @@ def test_an_aborted_turn_leaves_its_added_image_out(family):
     assert len(state.images.tokens) == 1
     follow = answer(engine, state, PROMPTS[1])
     assert follow.text == reference.answers(opening, PROMPTS[:2], TOKENS)[1]
+
+
+def test_an_open_rides_the_forward_of_a_streaming_answer(family):
+    # Packed steps: the image's prefill chunks go in the decode's forward; both answers are
+    # the pipeline's.
+    _, engine, reference = family
+    assert engine.packs
+    streamed, opened = make_image(90, SIZES[0]), make_image(91, SIZES[2])
+    long = GenerationParams(max_new_tokens=48)
+    stream = engine.start_turn(engine.open_session(streamed), PROMPTS[0], long)
+    while stream.prefilling:
+        assert not engine.step([stream])
+    state = engine.new_session(engine.prepare(opened))
+    opening = engine.start_open(state)
+    packed = []
+    hook = engine.replicas[0].model.register_forward_hook(
+        lambda module, args, kwargs, out: packed.append("packing" in kwargs), with_kwargs=True
+    )
+    steps = 0
+    try:
+        while not opening.done:
+            assert not engine.step([stream, opening])
+            steps += 1
+    finally:
+        hook.remove()
+    assert not stream.done
+    assert len(packed) == steps and any(packed)  # one forward a step, the chunks' packed
+    engine.finish_turn(opening)
+    while not stream.done:
+        assert not engine.step([stream])
+    engine.finish_turn(stream)
+    messages = reference.messages(None, [], PROMPTS[0])
+    assert stream.text == reference.answer([streamed], messages, 48)
+    assert (
+        answer(engine, state, PROMPTS[1]).text == reference.answers(opened, PROMPTS[1:2], TOKENS)[0]
+    )

@@ -91,3 +91,25 @@ def test_the_budget_stays_within_its_bounds() -> None:
     assert crawling.costs().budget == MIN_BUDGET
     racing = StepPacer(quiet_s=1.0, token_s=0.001 * MS, forward_s=0.0, tower_s=0.0)
     assert racing.costs().budget == MAX_BUDGET
+
+
+def packed_pacer() -> StepPacer:
+    # The same model, packing: a chunk beside a decode adds 2 ms + 0.4 ms a token to its forward.
+    return StepPacer(
+        quiet_s=12 * MS, token_s=0.4 * MS, forward_s=8 * MS, tower_s=0.04 * MS, rider_s=2 * MS
+    )
+
+
+def test_a_packed_chunk_is_priced_by_what_it_adds_to_the_decode_forward() -> None:
+    p = packed_pacer()
+    costs = p.costs()
+    assert costs.rider_cost == 5 and costs.forward_cost == 20
+    assert pacer().costs().rider_cost is None  # an engine that does not pack
+    plan = StepPlan(decode=[0], prefill={1: 10})
+    for _ in range(60):  # the packed step: a quiet step plus twice the chunk's predicted 6 ms
+        p.observe(plan, 0, tower_s=0.0, prefill_s=24 * MS, decode_s=0.0)
+    assert p.prefill_scale == pytest.approx(2.0, rel=1e-3)
+    assert p.quiet_s == 12 * MS
+    for _ in range(60):  # nothing decoding: one forward for both chunks, 8 + 2 + 20 x 0.4 ms
+        p.observe(StepPlan(prefill={1: 10, 2: 10}), 0, tower_s=0.0, prefill_s=18 * MS, decode_s=0.0)
+    assert p.prefill_scale == pytest.approx(1.0, rel=1e-3)

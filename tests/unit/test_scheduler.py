@@ -73,3 +73,13 @@ def test_the_oldest_chunk_runs_however_dear_its_forward() -> None:
     work = [decoding(i) for i in range(100)] + [Pending(100, False, prefill=500)]
     plan = plan_step(work, budget=64, forward_cost=40)
     assert plan.prefill == {100: 16}
+
+
+def test_packed_chunks_pay_what_they_add_to_a_forward_that_runs_anyway() -> None:
+    work = [Pending(0, False, prefill=20), Pending(1, False, prefill=100, follow_up=False)]
+    plan = plan_step(work + [decoding(2)], budget=90, forward_cost=30, rider_cost=5)
+    # 89 left after the decode: the question (5 + 20), then the open (5 + 59).
+    assert plan.prefill == {0: 20, 1: 59}
+    # No decode: the first chunk starts the forward (30), the next rides it (5).
+    plan = plan_step(work, budget=45, forward_cost=30, rider_cost=5)
+    assert plan.prefill == {0: 20, 1: 35}

@@ -2,8 +2,9 @@
 
 Faults are raised from a middle decoder layer, after the layers before it have written their
 part of the cache (how a CUDA out-of-memory error arrives), during a chunked prefill, a single
-decode and a batched decode. Every session is then compared with the model's own pipeline
-(transformers' `generate`), which is what an undisturbed twin answers.
+decode, a batched decode and a packed forward (a chunk beside decodes). Every session is then
+compared with the model's own pipeline (transformers' `generate`), which is what an undisturbed
+twin answers.
 """
 
 from __future__ import annotations
@@ -199,6 +200,50 @@ def test_a_batched_fault_that_persists_fails_one_answer_and_no_other(engine, ref
         assert [states[i].history[0].answer, turns[i].text] == expected(reference, images[i], i)
     again = engine.run_to_end(engine.start_turn(states[0], PROMPTS[1], LONG)).text
     assert [states[0].history[0].answer, again] == expected(reference, images[0], 0)
+
+
+def packed_step(shape: torch.Size) -> bool:
+    """A forward with the three decodes and a chunk beside them (one row, several tokens)."""
+    return shape[0] == 1 and shape[1] > 3
+
+
+def follow_up_beside_batch(engine: LlavaEngine) -> tuple[Any, Any, list[Any]]:
+    """A session's follow-up question, prefilled in chunks beside three decoding answers."""
+    image = make_image(29)
+    state = engine.open_session(image)
+    ask(engine, state, PROMPTS[0])
+    images, states, turns = batch_of_three(engine)
+    follow = engine.start_turn(state, PROMPTS[1], GREEDY)
+    return (image, state), (images, states), [*turns, follow]
+
+
+def test_a_fault_in_a_packed_forward_changes_no_answer(engine, reference) -> None:
+    (image, state), (images, states), turns = follow_up_beside_batch(engine)
+    with fault(engine, packed_step) as fired:
+        errors = step_until_error(engine, turns)  # its pieces are retried, each alone
+    assert fired and not errors
+    for turn in turns:
+        engine.finish_turn(turn)
+    for i in range(3):
+        assert [states[i].history[0].answer, turns[i].text] == expected(reference, images[i], i)
+    assert turns[3].text == reference.answers(image, PROMPTS[:2], 8)[1]
+
+
+def test_a_packed_fault_that_persists_fails_only_its_culprit(engine, reference) -> None:
+    (image, state), (images, states), turns = follow_up_beside_batch(engine)
+    before = list(state.cache_ids)
+    # The packed forward fails, then so does the chunk's retry on its own.
+    with fault(engine, lambda shape: shape[0] == 1 and shape[1] > 1, times=2) as fired:
+        errors = step_until_error(engine, turns)
+    assert len(fired) == 2 and list(errors) == [3]
+    engine.abort_turn(turns[3])
+    assert state.cache_ids == before and consistent(state)
+    while not all(t.done for t in turns[:3]):
+        assert not engine.step(turns[:3])
+    for i in range(3):
+        engine.finish_turn(turns[i])
+        assert [states[i].history[0].answer, turns[i].text] == expected(reference, images[i], i)
+    assert ask(engine, state, PROMPTS[1]) == reference.answers(image, PROMPTS[:2], 8)[1]
 
 
 # -- out of memory, through the service -----------------------------------------------------

@@ -1,0 +1,126 @@
+"""A packed forward is each piece's own forward, in one: same logits, same caches, all or nothing.
+
+The oracle is the model's own forward over each piece alone (the stock attention, with the
+masks transformers builds), not the packing code: a packed forward must give every piece what
+that forward gives it, for the plain causal layers and for sliding-window layers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from helpers import make_image
+
+from llava.config import ServerConfig
+from llava.engine import LlavaEngine
+from llava.engine.cache import new_cache
+from llava.engine.packed import Piece, packed_forward
+from llava.tiny import build_checkpoint
+
+
+@pytest.fixture(scope="module", params=["tiny", "next", "onevision"])
+def engine(request: Any, tmp_path_factory: Any) -> LlavaEngine:
+    checkpoint = build_checkpoint(tmp_path_factory.mktemp("ckpt") / request.param, request.param)
+    return LlavaEngine.load(checkpoint, ServerConfig(device="cpu", image_processes=0))
+
+
+def conversation(engine: LlavaEngine, seed: int) -> tuple[list[int], torch.Tensor]:
+    """An open's ids (system prompt, image tokens) and the image's features."""
+    state = engine.new_session(engine.prepare(make_image(seed)))
+    replica = engine.replicas[0]
+    images = state.images
+    if images.pending is not None:  # the tower has not run yet (it runs in the first step)
+        images = engine.images.encode_pending(replica.model, replica.device, images)
+    features = engine.images.features(replica.model, replica.device, images)
+    assert features is not None
+    return state.prefix_ids, features
+
+
+def caches_after(engine: LlavaEngine, prefixes: list[tuple[list[int], torch.Tensor]]) -> list[Any]:
+    """A cache per conversation holding its first `len - 7` ids (7 are left to feed)."""
+    replica = engine.replicas[0]
+    caches = []
+    for ids, features in prefixes:
+        cache = new_cache(engine.num_layers)
+        engine.forward(replica, cache, ids[:-7], features, 0)
+        caches.append(cache)
+    return caches
+
+
+def pieces_of(engine: LlavaEngine, prefixes: Any, caches: list[Any]) -> list[Piece]:
+    """Piece 0 feeds one token (a decode), piece 1 the last 7 ids (a chunk, image tokens in it)."""
+    pieces = []
+    for (ids, features), cache, count in zip(prefixes, caches, (1, 7), strict=True):
+        fed = ids[: len(ids) - 7]
+        offset = sum(1 for i in fed if i == engine.image_token_id)
+        pieces.append(Piece(cache, ids[len(fed) : len(fed) + count], features, offset))
+    return pieces
+
+
+def both_ways(engine: LlavaEngine) -> tuple[list[torch.Tensor], list[Any], torch.Tensor, list[Any]]:
+    """The same two pieces fed alone (the model's own forward each) and packed."""
+    prefixes = [conversation(engine, 1), conversation(engine, 2)]
+    replica = engine.replicas[0]
+    alone_caches = caches_after(engine, prefixes)
+    alone = [
+        engine.forward(replica, p.cache, p.ids, p.features, p.offset)
+        for p in pieces_of(engine, prefixes, alone_caches)
+    ]
+    packed_caches = caches_after(engine, prefixes)
+    packed = packed_forward(
+        replica.model, pieces_of(engine, prefixes, packed_caches), engine.image_token_id
+    )
+    return alone, alone_caches, packed, packed_caches
+
+
+def test_every_piece_gets_the_logits_and_cache_of_its_own_forward(engine) -> None:
+    with torch.inference_mode():
+        alone, alone_caches, packed, packed_caches = both_ways(engine)
+    for row in range(2):
+        torch.testing.assert_close(packed[row], alone[row], rtol=1e-4, atol=1e-4)
+        for mine, theirs in zip(packed_caches[row].layers, alone_caches[row].layers, strict=True):
+            assert mine.get_seq_length() == theirs.get_seq_length()
+            torch.testing.assert_close(mine.keys, theirs.keys, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(mine.values, theirs.values, rtol=1e-4, atol=1e-4)
+
+
+def test_a_sliding_window_is_kept(engine) -> None:
+    text = engine.replicas[0].model.config.get_text_config()
+    if not hasattr(text, "sliding_window") or text.model_type == "qwen2":
+        pytest.skip("no sliding-window attention in this family's text model")
+    saved = text.sliding_window
+    text.sliding_window = 9  # shorter than every cache: some keys fall out of every window
+    try:
+        with torch.inference_mode():
+            alone, _, packed, _ = both_ways(engine)
+            text.sliding_window = None
+            unwindowed, _, _, _ = both_ways(engine)
+    finally:
+        text.sliding_window = saved
+    assert not torch.allclose(alone[1], unwindowed[1], atol=1e-3)  # the window matters here
+    for row in range(2):
+        torch.testing.assert_close(packed[row], alone[row], rtol=1e-4, atol=1e-4)
+
+
+def test_a_fault_in_any_layer_leaves_every_cache_as_before(engine) -> None:
+    prefixes = [conversation(engine, 3), conversation(engine, 4)]
+    layers = engine.replicas[0].model.model.language_model.layers
+
+    def fail(module: Any, args: Any, kwargs: Any) -> None:
+        raise RuntimeError("injected fault")
+
+    caches = caches_after(engine, prefixes)
+    before = [[(layer.keys.clone(), layer.values.clone()) for layer in c.layers] for c in caches]
+    handle = layers[len(layers) // 2].register_forward_pre_hook(fail, with_kwargs=True)
+    try:
+        with torch.inference_mode(), pytest.raises(RuntimeError, match="injected"):
+            packed_forward(
+                engine.replicas[0].model, pieces_of(engine, prefixes, caches), engine.image_token_id
+            )
+    finally:
+        handle.remove()
+    for cache, saved in zip(caches, before, strict=True):
+        for layer, (keys, values) in zip(cache.layers, saved, strict=True):
+            assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
