@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from llava.engine.cache import assign, batch_cache
+from llava.engine.packed import Piece
 from llava.engine.state import Turn
 
 
@@ -68,10 +69,19 @@ class DecodeBatch:
             use_cache=True,
             logits_to_keep=1,
         )
-        self._mask = mask
+        self.advance()
+        return out.logits[:, -1]
+
+    def piece(self) -> Piece:
+        """Each turn's pending token as one piece of a packed forward (`packed.py`)."""
+        ids = [t.pending[0] for t in self.turns]
+        return Piece(self.cache, ids, positions=self._positions, mask=self._mask)
+
+    def advance(self) -> None:
+        """Account for a token fed to every row (by `forward`, or by a packed forward)."""
+        self._mask = torch.cat([self._mask, self._mask.new_ones((len(self.turns), 1))], dim=1)
         self._positions = self._positions + 1
         self._steps += 1
-        return out.logits[:, -1]
 
     def unstack(self) -> None:
         """Give every turn its own cache back, without padding and with the steps taken here.

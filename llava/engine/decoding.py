@@ -40,24 +40,32 @@ class Decoder:
     def decode(self, replica_idx: int, group: list[tuple[int, Turn]]) -> dict[int, Exception]:
         """Advance each (position, turn) of one replica by a token; return errors by position."""
         turns = [t for _, t in group]
-        model = self.replicas[replica_idx].model
-        batch = self._batches.get(replica_idx)
-        if batch is not None and not batch.same_members(turns):
-            self.split(replica_idx)
-            batch = None
         if len(turns) == 1:
+            self.split(replica_idx)
             return self._decode_alone(group)
         try:
-            if batch is None:
-                batch = self._batches[replica_idx] = DecodeBatch(turns)
-            logits = batch.forward(model)
+            logits = self.batch_for(replica_idx, turns).forward(self.replicas[replica_idx].model)
         except Exception:  # the shared forward failed: retry alone, so only the culprit fails
             self.split(replica_idx)
             return self._decode_alone(group)
+        self.accept_rows(turns, logits)
+        return {}
+
+    def batch_for(self, replica_idx: int, turns: list[Turn]) -> DecodeBatch:
+        """Return the replica's stacked batch of exactly `turns`, restacked if its members
+        changed."""
+        batch = self._batches.get(replica_idx)
+        if batch is not None and batch.same_members(turns):
+            return batch
+        self.split(replica_idx)
+        batch = self._batches[replica_idx] = DecodeBatch(turns)
+        return batch
+
+    def accept_rows(self, turns: list[Turn], logits: torch.Tensor) -> None:
+        """Record the token each turn fed and the next one, sampled from its row of `logits`."""
         for row, turn in enumerate(turns):
             turn.fed = turn.fed + turn.pending
             self.accept(turn, next_token(logits[row], turn.params, turn.generator))
-        return {}
 
     def _decode_alone(self, group: list[tuple[int, Turn]]) -> dict[int, Exception]:
         errors: dict[int, Exception] = {}

@@ -6,7 +6,9 @@ every piece of a step through one forward, the tokens of all sequences packed in
 sequence attending only to its own cache. This is that forward over transformers' models: the
 pieces' tokens go in one row with their own positions; a packed cache appends each piece's new
 keys and values to its own session's cache; and a registered attention function attends each
-piece's queries to its own cache, causally. The keys and values are never copied together.
+piece's queries to its own cache, causally. The keys and values are never copied together. The
+answers decoding in a stacked batch (`batch.py`) are one piece: a token per row of their stacked
+cache, attended in one call, so a step costs a few attention calls per layer, not one per answer.
 
 All or nothing, as `forward.py`: a failure in any layer cuts every piece's cache back.
 """
@@ -32,12 +34,19 @@ _NO_MASK = torch.zeros(1, 1, 1, 1, dtype=torch.bool)  # a 4-D mask: transformers
 
 @dataclass(frozen=True)
 class Piece:
-    """A session's tokens in a packed forward: a prefill chunk or a decode token."""
+    """A piece of a packed forward: a session's prefill chunk or decode token, or one token for
+    each row of a stacked decode batch (`positions` and `mask` given)."""
 
     cache: DynamicCache
     ids: list[int]
     features: torch.Tensor | None = None  # the session's image features (prefill chunks)
     offset: int = 0  # the first image token's row in `features`
+    positions: torch.Tensor | None = None  # stacked: each row's position
+    mask: torch.Tensor | None = None  # stacked: [rows, cached] 1 where a row has a key
+
+    @property
+    def stacked(self) -> bool:
+        return self.mask is not None
 
 
 def enable_packing(model: Any) -> bool:
@@ -60,7 +69,7 @@ def enable_packing(model: Any) -> bool:
             key: torch.Tensor,
             value: torch.Tensor,
             attention_mask: Any,
-            packing: list[tuple[DynamicCache, int]] | None = None,
+            packing: list[Piece] | None = None,
             **kwargs: Any,
         ) -> tuple[torch.Tensor, Any]:
             if packing is None:  # every other forward: the attention the model was loaded with
@@ -78,85 +87,95 @@ def enable_packing(model: Any) -> bool:
 def _attend(
     module: Any,
     query: torch.Tensor,
-    pieces: list[tuple[DynamicCache, int]],
+    pieces: list[Piece],
     scaling: float | None,
     window: int | None,
 ) -> tuple[torch.Tensor, None]:
     """Attend each piece's queries to its own cache (its new keys already appended), causally
     and, for a sliding-window layer, to the last `window` positions only."""
     outputs, start = [], 0
-    for cache, count in pieces:
-        layer = cache.layers[module.layer_idx]
+    for piece in pieces:
+        layer = piece.cache.layers[module.layer_idx]
         keys, values = layer.keys, layer.values
+        count = len(piece.ids)
         q = query[:, :, start : start + count]
         start += count
         total = keys.shape[2]
-        mask = None
-        if count > 1 or (window is not None and total > window):
+        if piece.mask is not None:  # a row per token: [rows, heads, 1, dim]
+            q = q.transpose(0, 2)
+            seen = torch.cat([piece.mask, piece.mask.new_ones((count, 1))], dim=1).bool()
+            if window is not None:
+                seen[:, : max(total - window, 0)] = False
+            mask: torch.Tensor | None = seen[:, None, None, :]
+        elif count > 1 or (window is not None and total > window):
             # query i is at position total - count + i: it sees the keys up to there
             mask = torch.ones(count, total, dtype=torch.bool, device=q.device).tril(total - count)
             if window is not None:
                 mask &= ~mask.tril(total - count - window)
-        outputs.append(
-            F.scaled_dot_product_attention(
-                q,
-                keys,
-                values,
-                attn_mask=mask,
-                scale=scaling,
-                enable_gqa=keys.shape[1] != q.shape[1],
-            )
+        else:
+            mask = None
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, scale=scaling, enable_gqa=keys.shape[1] != q.shape[1]
         )
+        outputs.append(out.transpose(0, 2) if piece.mask is not None else out)
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
 
 
 class _PackedLayer(DynamicLayer):
     """One layer of the packed cache: appends each piece's keys and values to its own cache."""
 
-    def __init__(self, index: int, caches: list[DynamicCache], counts: list[int]) -> None:
+    def __init__(self, index: int, pieces: list[Piece]) -> None:
         super().__init__()
-        self.index, self.caches, self.counts = index, caches, counts
+        self.index, self.pieces = index, pieces
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         start = 0
-        for cache, count in zip(self.caches, self.counts, strict=True):
-            layer = cache.layers[self.index]
-            layer.update(
-                key_states[:, :, start : start + count], value_states[:, :, start : start + count]
-            )
-            start += count
+        for piece in self.pieces:
+            end = start + len(piece.ids)
+            keys, values = key_states[:, :, start:end], value_states[:, :, start:end]
+            if piece.stacked:  # a token per row: [rows, heads, 1, dim]
+                keys, values = keys.transpose(0, 2), values.transpose(0, 2)
+            piece.cache.layers[self.index].update(keys, values)
+            start = end
         return key_states, value_states
 
 
 def packed_forward(model: Any, pieces: list[Piece], image_token_id: int) -> torch.Tensor:
-    """Feed every piece in one forward; return each piece's last logits row [pieces, vocab]."""
+    """Feed every piece in one forward; return the logits of each piece's last token (of each
+    row, for a stacked piece), in order [rows, vocab]."""
     before = [p.cache.get_seq_length() for p in pieces]
-    counts = [len(p.ids) for p in pieces]
-    caches = [p.cache for p in pieces]
     try:
         embeds = torch.cat(
             [embed(model, p.ids, image_token_id, p.features, p.offset) for p in pieces], dim=1
         )
         device = embeds.device
-        positions = torch.cat(
-            [torch.arange(b, b + n, device=device) for b, n in zip(before, counts, strict=True)]
-        )[None]
-        ends = torch.tensor(counts, device=device).cumsum(0) - 1
+        positions: list[torch.Tensor] = []
+        ends: list[int] = []
+        start = 0
+        for piece, length in zip(pieces, before, strict=True):
+            count = len(piece.ids)
+            if piece.positions is not None:
+                positions.append(piece.positions.to(device))
+                ends.extend(range(start, start + count))
+            else:
+                positions.append(torch.arange(length, length + count, device=device))
+                ends.append(start + count - 1)
+            start += count
         packed = DynamicCache()
-        packed.layers = [_PackedLayer(i, caches, counts) for i in range(len(caches[0].layers))]
+        packed.layers = [_PackedLayer(i, pieces) for i in range(len(pieces[0].cache.layers))]
         out = model(
             inputs_embeds=embeds,
             attention_mask=_NO_MASK.to(device),
-            position_ids=positions,
+            position_ids=torch.cat(positions)[None],
             past_key_values=packed,
             use_cache=True,
-            logits_to_keep=ends,
-            packing=list(zip(caches, counts, strict=True)),
+            logits_to_keep=torch.tensor(ends, device=device),
+            packing=pieces,
         )
     except BaseException:
-        for cache, length in zip(caches, before, strict=True):
-            crop_to(cache, length)
+        for piece, length in zip(pieces, before, strict=True):
+            crop_to(piece.cache, length)
         raise
     return out.logits[0]

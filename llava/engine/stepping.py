@@ -98,26 +98,41 @@ def _packed(
     decodes = [i for i in positions if i not in mine]
     if len(positions) == 1:  # nothing to pack with
         return _unpacked(engine, turns, mine, decodes)
-    engine.decoder.split(replica_idx)  # the decoding answers feed their own caches
-    pieces = [_piece(engine, turns[i], mine.get(i)) for i in positions]
+    decoding = [turns[i] for i in decodes]
+    batch = None
     try:
+        pieces = [_piece(engine, turns[i], n) for i, n in mine.items()]
+        if len(decoding) > 1:  # their stacked cache, as one piece
+            batch = engine.decoder.batch_for(replica_idx, decoding)
+            pieces.append(batch.piece())
+        elif decoding:
+            engine.decoder.split(replica_idx)
+            pieces.append(_piece(engine, decoding[0], None))
         logits = packed_forward(engine.replicas[replica_idx].model, pieces, engine.image_token_id)
     except Exception:  # every cache is as it was: run each piece alone, so only a culprit fails
         return _unpacked(engine, turns, mine, decodes)
     errors: dict[int, BaseException] = {}
-    for row, (i, piece) in enumerate(zip(positions, pieces, strict=True)):
+    for row, (i, tokens) in enumerate(mine.items()):
         turn = turns[i]
         try:
-            if i in mine:
-                last = len(piece.ids) == len(turn.pending) and not turn.opening
-                token = _sample(turn, logits[row], len(piece.ids)) if last else None
-                _chunk_fed(engine, turn, piece.ids, token)
-            else:
-                token = _sample(turn, logits[row], len(piece.ids))
-                turn.fed = turn.fed + turn.pending
-                engine.decoder.accept(turn, token)
+            last = tokens == len(turn.pending) and not turn.opening
+            token = _sample(turn, logits[row], tokens) if last else None
+            _chunk_fed(engine, turn, turn.pending[:tokens], token)
         except Exception as exc:
             errors[i] = exc
+    rows = logits[len(mine) :]
+    if batch is not None:
+        batch.advance()
+        engine.decoder.accept_rows(decoding, rows)
+    elif decoding:
+        turn = decoding[0]
+        try:
+            token = _sample(turn, rows[0], 1)
+        except Exception as exc:
+            errors[decodes[0]] = exc
+        else:
+            turn.fed = turn.fed + turn.pending
+            engine.decoder.accept(turn, token)
     return errors
 
 

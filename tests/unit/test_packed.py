@@ -7,6 +7,7 @@ that forward gives it, for the plain causal layers and for sliding-window layers
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ from helpers import make_image
 
 from llava.config import ServerConfig
 from llava.engine import LlavaEngine
+from llava.engine.batch import DecodeBatch
 from llava.engine.cache import new_cache
 from llava.engine.packed import Piece, packed_forward
 from llava.tiny import build_checkpoint
@@ -75,6 +77,12 @@ def both_ways(engine: LlavaEngine) -> tuple[list[torch.Tensor], list[Any], torch
     return alone, alone_caches, packed, packed_caches
 
 
+def sliding(text: Any) -> bool:
+    """Whether the text model honours `sliding_window` in every layer (Mistral; Qwen2 keeps
+    it for the layers its `layer_types` name)."""
+    return hasattr(text, "sliding_window") and text.model_type != "qwen2"
+
+
 def test_every_piece_gets_the_logits_and_cache_of_its_own_forward(engine) -> None:
     with torch.inference_mode():
         alone, alone_caches, packed, packed_caches = both_ways(engine)
@@ -88,7 +96,7 @@ def test_every_piece_gets_the_logits_and_cache_of_its_own_forward(engine) -> Non
 
 def test_a_sliding_window_is_kept(engine) -> None:
     text = engine.replicas[0].model.config.get_text_config()
-    if not hasattr(text, "sliding_window") or text.model_type == "qwen2":
+    if not sliding(text):
         pytest.skip("no sliding-window attention in this family's text model")
     saved = text.sliding_window
     text.sliding_window = 9  # shorter than every cache: some keys fall out of every window
@@ -124,3 +132,57 @@ def test_a_fault_in_any_layer_leaves_every_cache_as_before(engine) -> None:
     for cache, saved in zip(caches, before, strict=True):
         for layer, (keys, values) in zip(cache.layers, saved, strict=True):
             assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
+
+
+@dataclass
+class Row:
+    """What a stacked decode batch reads of an answer."""
+
+    cache: Any
+    pending: list[int]
+    max_new_tokens: int = 4
+    generated: list[int] = field(default_factory=list)
+
+
+def test_a_stacked_decode_batch_is_one_piece(engine) -> None:
+    # Three answers of different lengths in a left-padded batch, and a chunk beside them: the
+    # batch's rows get what the batch's own forward gives them, the chunk its own forward's.
+    replica = engine.replicas[0]
+    answers = [conversation(engine, 5 + i) for i in range(3)]
+    chunked = conversation(engine, 9)
+
+    def setup() -> tuple[DecodeBatch, Piece]:
+        shorter = [(ids[: len(ids) - 3 * i], features) for i, (ids, features) in enumerate(answers)]
+        batch = DecodeBatch(
+            [Row(cache, [11 + i]) for i, cache in enumerate(caches_after(engine, shorter))]
+        )
+        ids, features = chunked
+        fed = ids[: len(ids) - 7]
+        offset = sum(1 for i in fed if i == engine.image_token_id)
+        return batch, Piece(caches_after(engine, [chunked])[0], ids[len(fed) :], features, offset)
+
+    text = replica.model.config.get_text_config()
+    windows = [None] + ([9] if sliding(text) else [])  # and with keys out of the window
+    saved = getattr(text, "sliding_window", None)
+    try:
+        for window in windows:
+            if window is not None:
+                text.sliding_window = window
+            with torch.inference_mode():
+                batch, chunk = setup()
+                rows = batch.forward(replica.model)
+                alone = engine.forward(
+                    replica, chunk.cache, chunk.ids, chunk.features, chunk.offset
+                )
+                packed_batch, packed_chunk = setup()
+                packed = packed_forward(
+                    replica.model, [packed_batch.piece(), packed_chunk], engine.image_token_id
+                )
+            torch.testing.assert_close(packed[:3], rows, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(packed[3], alone, rtol=1e-4, atol=1e-4)
+            for ours, theirs in zip(packed_batch.cache.layers, batch.cache.layers, strict=True):
+                torch.testing.assert_close(ours.keys, theirs.keys, rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(ours.values, theirs.values, rtol=1e-4, atol=1e-4)
+    finally:
+        if windows[-1] is not None:
+            text.sliding_window = saved
