@@ -12,7 +12,7 @@ measured `--gap-runs` times after a warm-up run, and the worst run is the figure
 side by side on two servers: the default step token budget (chunked prefill) and an unbounded
 one (each open computed whole inside one step, as before chunking). The default budget is
 measured (engine/calibrate.py at start, engine/pacing.py on every step): a step's prefill work
-costs about 2 quiet steps.
+costs about 1.5 quiet steps, its chunks packed into the stream's decode forward.
 
 Capacity: conversations arrive at random (Poisson) at a given rate; each opens, asks 4 questions
 with a think time between them and closes (16-token answers). For each strategy - this kit's

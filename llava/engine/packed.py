@@ -15,6 +15,7 @@ All or nothing, as `forward.py`: a failure in any layer cuts every piece's cache
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from llava.engine.cache import crop_to
 from llava.engine.vision import embed
+
+log = logging.getLogger(__name__)
 
 PREFIX = "llava_packed_"  # + the attention the model was loaded with: what unpacked calls use
 _NO_MASK = torch.zeros(1, 1, 1, 1, dtype=torch.bool)  # a 4-D mask: transformers builds none
@@ -43,10 +46,6 @@ class Piece:
     offset: int = 0  # the first image token's row in `features`
     positions: torch.Tensor | None = None  # stacked: each row's position
     mask: torch.Tensor | None = None  # stacked: [rows, cached] 1 where a row has a key
-
-    @property
-    def stacked(self) -> bool:
-        return self.mask is not None
 
 
 def enable_packing(model: Any) -> bool:
@@ -80,7 +79,13 @@ def enable_packing(model: Any) -> bool:
 
         AttentionInterface.register(name, attention)
         ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
-    model.set_attn_implementation({"text_config": name})
+    try:
+        model.set_attn_implementation({"text_config": name})
+    except Exception:  # a transformers that cannot switch one sub-model's attention
+        log.warning(
+            "not packing steps: each prefill chunk runs a forward of its own", exc_info=True
+        )
+        return False
     return True
 
 
@@ -135,7 +140,7 @@ class _PackedLayer(DynamicLayer):
         for piece in self.pieces:
             end = start + len(piece.ids)
             keys, values = key_states[:, :, start:end], value_states[:, :, start:end]
-            if piece.stacked:  # a token per row: [rows, heads, 1, dim]
+            if piece.mask is not None:  # a token per row: [rows, heads, 1, dim]
                 keys, values = keys.transpose(0, 2), values.transpose(0, 2)
             piece.cache.layers[self.index].update(keys, values)
             start = end
