@@ -186,3 +186,18 @@ def test_a_stacked_decode_batch_is_one_piece(engine) -> None:
     finally:
         if windows[-1] is not None:
             text.sliding_window = saved
+
+
+def test_the_start_up_check_stops_packing_where_the_attention_is_not_routed(
+    tiny_checkpoint: Any, caplog: Any
+) -> None:
+    # As on a transformers that kept the stock attention: the packing kwarg is then ignored,
+    # and each piece would attend to the whole row's new keys only.
+    from llava.engine.selfcheck import self_check
+
+    engine = LlavaEngine.load(tiny_checkpoint, ServerConfig(device="cpu", image_processes=0))
+    assert engine.packs
+    engine.replicas[0].model.set_attn_implementation({"text_config": "sdpa"})
+    self_check(engine)
+    assert not engine.packs
+    assert "each prefill chunk runs a forward of its own" in caplog.text
