@@ -171,6 +171,7 @@ def test_chat_in_a_real_browser(page: Any, torchserve: TorchServe, tmp_path: Pat
     picture = tmp_path / "picture.png"
     make_image(5, (96, 80)).save(picture)
     page.set_input_files("#image input[type=file]", str(picture))
+    page.wait_for_selector("#chat")  # Gradio renders the chat on its own schedule
     page.evaluate(WATCH)
 
     # Ask: the answer streams in (its text grows), then its usage shows.
