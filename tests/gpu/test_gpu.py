@@ -69,6 +69,38 @@ def test_sessions_and_batched_decode_answer_as_the_pipeline(family) -> None:
         engine.release(state)
 
 
+def test_an_open_rides_the_forward_of_the_answers_decoding(family) -> None:
+    # Packed steps on the device: the image's prefill chunks go in the stacked decode's forward.
+    engine, reference = family
+    assert engine.packs  # the start-up check found a packed forward equal to the pieces' own
+    long = GenerationParams(max_new_tokens=4 * TOKENS)
+    states = [engine.open_session(image(i)) for i in range(2)]
+    turns = [engine.start_turn(state, PROMPTS[0], long) for state in states]
+    while any(turn.prefilling for turn in turns):
+        assert engine.step(turns) == {}
+    opened = engine.new_session(engine.prepare(image(2)))
+    opening = engine.start_open(opened)
+    packed = []
+    hook = engine.replicas[0].model.register_forward_hook(
+        lambda module, args, kwargs, out: packed.append("packing" in kwargs), with_kwargs=True
+    )
+    try:
+        while not opening.done:
+            assert engine.step([*turns, opening]) == {}
+    finally:
+        hook.remove()
+    assert any(packed) and not any(turn.done for turn in turns)
+    engine.finish_turn(opening)
+    step_all(engine, turns)
+    for i, turn in enumerate(turns):
+        assert turn.text == reference.answers(image(i), PROMPTS[:1], 4 * TOKENS)[0], i
+    follow = engine.start_turn(opened, PROMPTS[1], GREEDY)
+    step_all(engine, [follow])
+    assert follow.text == reference.answers(image(2), PROMPTS[1:2], TOKENS)[0]
+    for state in [*states, opened]:
+        engine.release(state)
+
+
 def test_tiers_device_to_pinned_host_to_features_and_back(family, gpu: Setting) -> None:
     engine, reference = family
     state = engine.open_session(image(0))
