@@ -37,7 +37,8 @@ class DecodeBatch:
             width,
         )
         device = turns[0].cache.layers[0].keys.device
-        self._mask = torch.zeros(len(turns), width, dtype=torch.long, device=device)
+        # 1 where a row has a key: its cached positions, then the token fed next
+        self._mask = torch.zeros(len(turns), width + 1, dtype=torch.long, device=device)
         for row, pad in enumerate(self._pad):
             self._mask[row, pad:] = 1
         self._positions = torch.tensor(self._lengths, device=device)
@@ -60,10 +61,9 @@ class DecodeBatch:
         """Feed each turn's pending token; return next-token logits, one row per turn."""
         device = self._mask.device
         input_ids = torch.tensor([t.pending for t in self.turns], device=device)
-        mask = torch.cat([self._mask, self._mask.new_ones((len(self.turns), 1))], dim=1)
         out = model(
             input_ids=input_ids,
-            attention_mask=mask,
+            attention_mask=self._mask,
             position_ids=self._positions[:, None],
             past_key_values=self.cache,
             use_cache=True,

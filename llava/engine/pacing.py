@@ -101,11 +101,13 @@ class StepPacer:
             added = prefill_s + decode_s - self.quiet_s
             self.prefill_scale = _average(self.prefill_scale, added / expected)
         elif plan.prefill:
-            # One forward for all chunks when packed, else one each.
-            forwards = 1 if self.rider_s is not None else len(plan.prefill)
-            extra = (len(plan.prefill) - forwards) * (self.rider_s or 0.0)
-            expected = forwards * self.forward_s + extra
-            expected += self.token_s * sum(plan.prefill.values())
+            # Unpacked, a forward per chunk; packed, the first chunk's forward carries the rest.
+            chunks = len(plan.prefill)
+            expected = self.token_s * sum(plan.prefill.values()) + (
+                chunks * self.forward_s
+                if self.rider_s is None
+                else self.forward_s + (chunks - 1) * self.rider_s
+            )
             self.prefill_scale = _average(self.prefill_scale, prefill_s / expected)
         elif plan.decode and not plan.encode:
             self.quiet_s = _average(self.quiet_s, decode_s, rise=RISE_SMOOTHING)

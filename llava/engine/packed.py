@@ -45,7 +45,7 @@ class Piece:
     features: torch.Tensor | None = None  # the session's image features (prefill chunks)
     offset: int = 0  # the first image token's row in `features`
     positions: torch.Tensor | None = None  # stacked: each row's position
-    mask: torch.Tensor | None = None  # stacked: [rows, cached] 1 where a row has a key
+    mask: torch.Tensor | None = None  # stacked: [rows, keys] 1 where a row has a key (fed too)
 
 
 def enable_packing(model: Any) -> bool:
@@ -68,7 +68,7 @@ def enable_packing(model: Any) -> bool:
             key: torch.Tensor,
             value: torch.Tensor,
             attention_mask: Any,
-            packing: list[Piece] | None = None,
+            packing: list[tuple[Piece, torch.Tensor | None]] | None = None,
             **kwargs: Any,
         ) -> tuple[torch.Tensor, Any]:
             if packing is None:  # every other forward: the attention the model was loaded with
@@ -92,38 +92,66 @@ def enable_packing(model: Any) -> bool:
 def _attend(
     module: Any,
     query: torch.Tensor,
-    pieces: list[Piece],
+    packing: list[tuple[Piece, torch.Tensor | None]],
     scaling: float | None,
     window: int | None,
 ) -> tuple[torch.Tensor, None]:
-    """Attend each piece's queries to its own cache (its new keys already appended), causally
-    and, for a sliding-window layer, to the last `window` positions only."""
+    """Attend each piece's queries to its own cache (its new keys already appended) under its
+    mask and, for a sliding-window layer, to the last `window` positions only."""
     outputs, start = [], 0
-    for piece in pieces:
+    for piece, mask in packing:
         layer = piece.cache.layers[module.layer_idx]
         keys, values = layer.keys, layer.values
         count = len(piece.ids)
         q = query[:, :, start : start + count]
         start += count
-        total = keys.shape[2]
-        if piece.mask is not None:  # a row per token: [rows, heads, 1, dim]
+        stacked = piece.mask is not None
+        if stacked:  # a row per token: [rows, heads, 1, dim]
             q = q.transpose(0, 2)
-            seen = torch.cat([piece.mask, piece.mask.new_ones((count, 1))], dim=1).bool()
-            if window is not None:
-                seen[:, : max(total - window, 0)] = False
-            mask: torch.Tensor | None = seen[:, None, None, :]
-        elif count > 1 or (window is not None and total > window):
-            # query i is at position total - count + i: it sees the keys up to there
-            mask = torch.ones(count, total, dtype=torch.bool, device=q.device).tril(total - count)
-            if window is not None:
-                mask &= ~mask.tril(total - count - window)
-        else:
-            mask = None
+        total = keys.shape[2]
+        if window is not None and total > window:
+            mask = _within(mask, stacked, count, total, window, q.device)
         out = F.scaled_dot_product_attention(
             q, keys, values, attn_mask=mask, scale=scaling, enable_gqa=keys.shape[1] != q.shape[1]
         )
-        outputs.append(out.transpose(0, 2) if piece.mask is not None else out)
+        outputs.append(out.transpose(0, 2) if stacked else out)
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def _masks(
+    pieces: list[Piece], before: list[int], device: torch.device
+) -> list[torch.Tensor | None]:
+    """Each piece's attention mask, built once per forward (every layer uses it): causal for a
+    chunk, aligned to the end of its cache; a stacked piece's padding; none for one token."""
+    masks: list[torch.Tensor | None] = []
+    for piece, length in zip(pieces, before, strict=True):
+        count, total = len(piece.ids), length + len(piece.ids)
+        if piece.mask is not None:
+            masks.append(piece.mask.to(device).bool()[:, None, None, :])
+        elif count > 1:  # query i is at position total - count + i: it sees the keys up to there
+            masks.append(
+                torch.ones(count, total, dtype=torch.bool, device=device).tril(total - count)
+            )
+        else:
+            masks.append(None)
+    return masks
+
+
+def _within(
+    mask: torch.Tensor | None,
+    stacked: bool,
+    count: int,
+    total: int,
+    window: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """Narrow a piece's mask to the last `window` positions before each query."""
+    if stacked and mask is not None:  # every row's query is at the last position
+        narrowed = mask.clone()
+        narrowed[..., : total - window] = False
+        return narrowed
+    causal = mask if mask is not None else torch.ones(count, total, dtype=torch.bool, device=device)
+    return causal & ~causal.tril(total - count - window)
 
 
 class _PackedLayer(DynamicLayer):
@@ -177,7 +205,7 @@ def packed_forward(model: Any, pieces: list[Piece], image_token_id: int) -> torc
             past_key_values=packed,
             use_cache=True,
             logits_to_keep=torch.tensor(ends, device=device),
-            packing=pieces,
+            packing=list(zip(pieces, _masks(pieces, before, device), strict=True)),
         )
     except BaseException:
         for piece, length in zip(pieces, before, strict=True):

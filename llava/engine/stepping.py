@@ -115,8 +115,7 @@ def _packed(
     for row, (i, tokens) in enumerate(mine.items()):
         turn = turns[i]
         try:
-            last = tokens == len(turn.pending) and not turn.opening
-            token = _sample(turn, logits[row], tokens) if last else None
+            token = _sample(turn, logits[row], tokens) if _samples(turn, tokens) else None
             _chunk_fed(engine, turn, turn.pending[:tokens], token)
         except Exception as exc:
             errors[i] = exc
@@ -185,9 +184,14 @@ def _encode(engine: LlavaEngine, turn: Turn) -> None:
 def _prefill(engine: LlavaEngine, turn: Turn, tokens: int) -> None:
     """Feed the next `tokens` pending ids; after the last chunk, choose the first token."""
     piece = _piece(engine, turn, tokens)
-    last = len(piece.ids) == len(turn.pending) and not turn.opening
-    token = engine.decoder.feed(turn, piece.ids, piece.features, piece.offset, sample=last)
+    sample = _samples(turn, tokens)
+    token = engine.decoder.feed(turn, piece.ids, piece.features, piece.offset, sample=sample)
     _chunk_fed(engine, turn, piece.ids, token)
+
+
+def _samples(turn: Turn, tokens: int) -> bool:
+    """Whether feeding `tokens` more ends the prompt of an answer (an open generates nothing)."""
+    return tokens == len(turn.pending) and not turn.opening
 
 
 def _chunk_fed(engine: LlavaEngine, turn: Turn, chunk: list[int], token: int | None) -> None:
