@@ -55,7 +55,7 @@ archive: venv
 	$(BIN)/python -m llava archive --model $(MODEL) --name $(NAME) --out $(STORE)
 
 serve: archive
-	@$(BIN)/python -m llava.quickstart --name $(NAME)
+	@$(BIN)/python -m llava.tools.quickstart --name $(NAME)
 	$(BIN)/torchserve --start --foreground --ncs --disable-token-auth \
 		--ts-config config.properties --model-store $(abspath $(STORE)) --models $(NAME)=$(abspath $(STORE))/$(NAME)
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from llava.protocol import SESSION_HEADER, GenerationParams
+from llava.api.session_api import SESSION_HEADER, GenerationParams
 
 STRATEGIES = ("stateless", "pixels", "session")
 

@@ -17,8 +17,8 @@ from pathlib import Path
 from transformers import LlavaNextImageProcessorPil, LlavaNextProcessor, LlavaOnevisionProcessor
 from transformers import LlavaOnevisionImageProcessorPil as OnevisionImages
 
-from llava.engine.budget import GIB, device_budget
-from llava.tiny.tokenizers import train_qwen_tokenizer
+from llava.engine.model.budget import GIB, device_budget
+from llava.tools.tiny.tokenizers import train_qwen_tokenizer
 
 # (height, width) of the images the table is computed for.
 IMAGES = {"640x480": (480, 640), "1024x768": (768, 1024), "1920x1080": (1080, 1920)}

@@ -30,7 +30,7 @@ sys.path.insert(0, str(HERE))
 import load  # noqa: E402
 import run  # noqa: E402
 
-from llava.protocol import SESSION_HEADER  # noqa: E402
+from llava.api.session_api import SESSION_HEADER  # noqa: E402
 
 PROFILE, LOGIC_PROFILE = "llava15-7b", "tiny"
 
@@ -45,7 +45,7 @@ def device_name(logic: bool) -> str:
 
 def build(profile: str, logic: bool) -> Path:
     """Build the checkpoint where resolve_model looks for it (on the GPU in bf16)."""
-    from llava.tiny import build_checkpoint
+    from llava.tools.tiny import build_checkpoint
 
     target = Path("build/models") / profile
     if not (target / "config.json").is_file():
@@ -62,7 +62,7 @@ def session_bytes(model_dir: Path, work: Path, turns: int = 4) -> dict[str, int]
     `turns` turns."""
     import httpx
 
-    from llava.archive import build_archive
+    from llava.tools.archive import build_archive
 
     build_archive(model_dir, work / "store", name="llava")
     ts = load.start(work / "store", work / "bytes")

@@ -48,7 +48,7 @@ sys.path.insert(0, str(HERE))
 
 from drivers import generate_body, open_body, query_body  # noqa: E402
 
-from llava.protocol import SESSION_HEADER  # noqa: E402
+from llava.api.session_api import SESSION_HEADER  # noqa: E402
 
 JSON = {"Content-Type": "application/json"}
 PROMPTS = [
@@ -71,7 +71,7 @@ def photo_uri(seed: int, size: tuple[int, int] = (1024, 768)) -> str:
 
 
 def start(store: Path, workdir: Path, **env: str) -> Any:
-    from llava.launcher import TorchServe
+    from llava.fronts.torchserve.launcher import TorchServe
 
     settings = {"LLAVA_MAX_NEW_TOKENS": "1024", "LLAVA_MAX_SESSIONS": "256", **env}
     return TorchServe(store, "llava", workdir=workdir, env=settings).start()
@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args(argv)
 
-    from llava.archive import build_archive, resolve_model
+    from llava.tools.archive import build_archive, resolve_model
 
     model_dir = resolve_model(args.model)
     work = Path(tempfile.mkdtemp())

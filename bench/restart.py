@@ -28,7 +28,7 @@ sys.path.insert(0, str(HERE))
 from drivers import query_body  # noqa: E402
 from load import JSON, Client, photo_uri, start  # noqa: E402
 
-from llava.protocol import SESSION_HEADER  # noqa: E402
+from llava.api.session_api import SESSION_HEADER  # noqa: E402
 
 PROMPTS = ["What is shown in this picture?", "Which colors stand out?", "Anything unusual?"]
 
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args(argv)
 
-    from llava.archive import build_archive, resolve_model
+    from llava.tools.archive import build_archive, resolve_model
 
     work = Path(tempfile.mkdtemp())
     build_archive(resolve_model(args.model), work / "store", name="llava")

@@ -212,8 +212,8 @@ def chart(results: dict[str, Any], path: Path) -> None:
 
 def start_servers(model_dir: Path, workdir: Path) -> tuple[dict[str, str], list[Any]]:
     """Archive the checkpoint and start one TorchServe per cache mode."""
-    from llava.archive import build_archive
-    from llava.launcher import TorchServe
+    from llava.fronts.torchserve.launcher import TorchServe
+    from llava.tools.archive import build_archive
 
     store = workdir / "store"
     build_archive(model_dir, store, name="llava")
@@ -248,10 +248,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args(argv)
 
-    from llava.archive import resolve_model
-    from llava.config import ServerConfig
+    from llava.core.config import ServerConfig
     from llava.engine import LlavaEngine
     from llava.images import ImageLoader
+    from llava.tools.archive import resolve_model
 
     results: dict[str, Any] = {}
     for model in args.models:

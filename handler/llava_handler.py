@@ -3,7 +3,7 @@
 TorchServe loads this file from the model archive and requires it to define exactly one class.
 """
 
-from llava.torchserve import SessionHandler
+from llava.fronts.torchserve.handler import SessionHandler
 
 
 class LlavaSessionHandler(SessionHandler):

@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from llava.archive import add_model_arguments
-from llava.tiny.profiles import PROFILES
+from llava.tools.archive import add_model_arguments
+from llava.tools.tiny.profiles import PROFILES
 
 
 def _archive(args: argparse.Namespace) -> None:
-    from llava.archive import build_archive, resolve_model
+    from llava.tools.archive import build_archive, resolve_model
 
     model_dir = resolve_model(args.model, args.cache_dir)
     path = build_archive(model_dir, args.out, name=args.name, archive_format=args.format)
@@ -18,13 +18,13 @@ def _archive(args: argparse.Namespace) -> None:
 
 
 def _build_tiny(args: argparse.Namespace) -> None:
-    from llava.tiny import build_checkpoint
+    from llava.tools.tiny import build_checkpoint
 
     print(build_checkpoint(args.out, profile=args.profile, seed=args.seed, overwrite=True))
 
 
 def _local_endpoint(args: argparse.Namespace) -> None:
-    from llava.local_runtime import serve
+    from llava.fronts.local_runtime.server import serve
 
     serve(
         host=args.host,
@@ -37,19 +37,19 @@ def _local_endpoint(args: argparse.Namespace) -> None:
 
 
 def _deploy(args: argparse.Namespace) -> None:
-    from llava.deploy import run_deploy
+    from llava.tools.deploy import run_deploy
 
     run_deploy(args)
 
 
 def _delete(args: argparse.Namespace) -> None:
-    from llava.deploy import run_delete
+    from llava.tools.deploy import run_delete
 
     run_delete(args)
 
 
 def _chat(args: argparse.Namespace) -> None:
-    from llava.chat_page.app import serve
+    from llava.tools.chat_page.app import serve
 
     serve(args)
 
@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--port", type=int, default=7860)
     chat.set_defaults(run=_chat)
 
-    from llava.deploy import add_delete_arguments, add_deploy_arguments
+    from llava.tools.deploy import add_delete_arguments, add_deploy_arguments
 
     deploy = commands.add_parser("deploy", help="upload the archive and deploy to SageMaker")
     add_deploy_arguments(deploy)

@@ -11,7 +11,7 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Build the random-weight tiny LLaVA checkpoint offline."""
-    from llava.tiny import build_checkpoint
+    from llava.tools.tiny import build_checkpoint
 
     return build_checkpoint(tmp_path_factory.mktemp("models") / "tiny", profile="tiny")
 
@@ -19,7 +19,7 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def byte_level_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """tiny's shapes with a byte-level BPE tokenizer (Qwen2, ChatML): the other tokenizer kind."""
-    from llava.tiny import build_checkpoint
+    from llava.tools.tiny import build_checkpoint
 
     return build_checkpoint(tmp_path_factory.mktemp("models") / "interleave", profile="interleave")
 

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 from PIL import Image
 
-from llava.protocol import SESSION_HEADER
+from llava.api.session_api import SESSION_HEADER
 
 
 def make_image(seed: int, size: tuple[int, int] = (48, 40)) -> Image.Image:
@@ -169,7 +169,7 @@ Row = tuple[str, dict[str, Any], dict[str, str]]  # request id, body, headers
 def serve_rows(service: Any, rows: list[Row], max_steps: int = 2000) -> dict[str, Any]:
     """Step an in-process SessionService until every row has its whole reply; return
     (status, JSON body) by request id (bodies go out on a request's first step only)."""
-    from llava.service import Incoming
+    from llava.server.service import Incoming
 
     bodies: dict[str, Any] = {}
     sent: set[str] = set()

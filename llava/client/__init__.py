@@ -17,7 +17,7 @@ to a SageMaker endpoint through boto3's `sagemaker-runtime` client.
         print(s.last_usage)
     # leaving the block closed the session
 
-Errors are the kit's own (`llava.errors`): a container's JSON error body becomes the same typed
+Errors are the kit's own (`llava.core.errors`): a container's JSON error body becomes the same typed
 error on every transport (`SessionExpired`, `SessionBusy`, `CapacityExceeded` with
 `retry_after_s`, ...), SageMaker's `ModelError` wrapper included. Failures of the way there are
 `TransportError` (no usable answer: connection refused, timeout, unreadable stream) and its
@@ -25,7 +25,7 @@ subclass `EndpointError` (the endpoint itself refused: SageMaker's `ValidationEr
 `ModelNotReadyException`, `ServiceUnavailable`, an unknown session id at the router).
 Every error raised here carries `err.response` (a `Response`, or None when nothing came back).
 
-    KitError (llava.errors)
+    KitError (llava.core.errors)
     └── TransportError (502 transport_error)       .original: the underlying exception
         └── EndpointError (endpoint_error)         .error_code: e.g. "ValidationError"
 """

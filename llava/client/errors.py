@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from llava.api.session_api import header
 from llava.client.response import Response
-from llava.errors import CapacityExceeded, KitError, from_body
-from llava.protocol import header
+from llava.core.errors import CapacityExceeded, KitError, from_body
 
 
 class TransportError(KitError):

@@ -10,13 +10,18 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from llava.api.session_api import (
+    NEW_SESSION,
+    NEW_SESSION_HEADER,
+    SESSION_HEADER,
+    STREAM_CONTENT_TYPE,
+)
 from llava.client.errors import EndpointError, ErrorResponse, TransportError, error_for
 from llava.client.inline import image_ref
 from llava.client.lines import ndjson_lines
 from llava.client.response import Response
 from llava.client.transports import HttpTransport, SageMakerTransport, Transport
-from llava.errors import SessionBusy, SessionClosed, SessionError
-from llava.protocol import NEW_SESSION, NEW_SESSION_HEADER, SESSION_HEADER, STREAM_CONTENT_TYPE
+from llava.core.errors import SessionBusy, SessionClosed, SessionError
 
 # Named for the package, as before the split, so logging configuration keeps matching.
 log = logging.getLogger("llava.client")

@@ -5,16 +5,16 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, Protocol, runtime_checkable
 
-from llava.client.errors import EndpointError, ErrorResponse, TransportError
-from llava.client.response import Response
-from llava.errors import KitError
-from llava.protocol import (
+from llava.api.session_api import (
     CLOSED_SESSION_HEADER,
     JSON_CONTENT_TYPE,
     NEW_SESSION_HEADER,
     SESSION_HEADER,
     STREAM_CONTENT_TYPE,
 )
+from llava.client.errors import EndpointError, ErrorResponse, TransportError
+from llava.client.response import Response
+from llava.core.errors import KitError
 
 
 @runtime_checkable

@@ -31,25 +31,25 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from llava.config import ServerConfig
-from llava.engine import snapshot, tiers
-from llava.engine.cache import crop_to
-from llava.engine.calibrate import calibrate
-from llava.engine.chat import ChatFormatter, Exchange, common_prefix
-from llava.engine.decoding import Decoder
-from llava.engine.forward import forward
-from llava.engine.imageset import EMPTY, ImageEncoder, ImagePreparer, ImageSet, PreparedImages
-from llava.engine.loading import load_model, load_processor, resolve_devices
-from llava.engine.pacing import StepCosts, StepPacer
-from llava.engine.packed import enable_packing
-from llava.engine.sampling import Detokenizer, make_generator
+from llava.api.session_api import GenerationParams
+from llava.core.config import ServerConfig
+from llava.core.errors import InvalidRequest
+from llava.core.families import check_model_type, checkpoint_family
+from llava.engine.decoding.decoder import Decoder
+from llava.engine.decoding.sampling import Detokenizer, make_generator
+from llava.engine.model.cache import crop_to
+from llava.engine.model.forward import forward
+from llava.engine.model.loading import load_model, load_processor, resolve_devices
+from llava.engine.model.packed import enable_packing
+from llava.engine.model.vision import image_token_id, tower_ratio, vision_part
+from llava.engine.scheduling.calibrate import calibrate
+from llava.engine.scheduling.pacing import StepCosts, StepPacer
 from llava.engine.selfcheck import self_check
-from llava.engine.state import Replica, SessionState, Tier, Turn
+from llava.engine.state import snapshot, tiers
+from llava.engine.state.chat import ChatFormatter, Exchange, common_prefix
+from llava.engine.state.imageset import EMPTY, ImageEncoder, ImagePreparer, ImageSet, PreparedImages
+from llava.engine.state.session import Replica, SessionState, Tier, Turn
 from llava.engine.stepping import run_step
-from llava.engine.vision import image_token_id, tower_ratio, vision_part
-from llava.errors import InvalidRequest
-from llava.families import check_model_type, checkpoint_family
-from llava.protocol import GenerationParams
 
 DEFAULT_STEP_BUDGET = 256  # tokens per step for engines built without `load` (not calibrated)
 

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from llava.engine.cache import new_cache
-from llava.engine.loading import transformers_version
-from llava.engine.packed import Piece, packed_forward
-from llava.engine.vision import image_features, model_inputs, process_images
+from llava.engine.model.cache import new_cache
+from llava.engine.model.loading import transformers_version
+from llava.engine.model.packed import Piece, packed_forward
+from llava.engine.model.vision import image_features, model_inputs, process_images
 
 if TYPE_CHECKING:
     from llava.engine.engine import LlavaEngine

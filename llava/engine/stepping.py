@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from llava.engine.cache import crop_to
-from llava.engine.packed import Piece, packed_forward
-from llava.engine.sampling import next_token
-from llava.engine.scheduler import Pending, plan_step
-from llava.engine.state import Turn
+from llava.engine.decoding.sampling import next_token
+from llava.engine.model.cache import crop_to
+from llava.engine.model.packed import Piece, packed_forward
+from llava.engine.scheduling.scheduler import Pending, plan_step
+from llava.engine.state.session import Turn
 
 if TYPE_CHECKING:
     from llava.engine.engine import LlavaEngine

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
-from llava.errors import KitError
+from llava.core.errors import KitError
 from llava.images.processes import ImageProcesses
 from llava.images.refs import is_inline
 

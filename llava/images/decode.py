@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from PIL import Image, ImageOps
 
-from llava.errors import ImageError, ImageTooLarge, KitError
+from llava.core.errors import ImageError, ImageTooLarge, KitError
 from llava.images.inline import read_inline
 from llava.images.refs import _clean
 

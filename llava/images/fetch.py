@@ -11,7 +11,7 @@ from typing import Any
 import httpcore
 import httpx
 
-from llava.errors import ImageFetchError, ImageForbidden, InvalidRequest
+from llava.core.errors import ImageFetchError, ImageForbidden, InvalidRequest
 from llava.images.limits import _CHUNK, _read_limited, _too_many_bytes
 from llava.images.policy import ImagePolicy, _host_allow_listed, _parse_ip, _vet_address
 from llava.images.refs import _HINT, _clean, describe_ref

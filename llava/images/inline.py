@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 import binascii
 
-from llava.errors import ImageError, InvalidRequest
+from llava.core.errors import ImageError, InvalidRequest
 from llava.images.limits import _too_many_bytes
 from llava.images.refs import _clean, _scheme_of
 

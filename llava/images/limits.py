@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from llava.errors import ImageFetchError, ImageTooLarge
+from llava.core.errors import ImageFetchError, ImageTooLarge
 from llava.images.refs import _HINT
 
 _CHUNK = 64 * 1024

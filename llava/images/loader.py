@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 from PIL import Image
 
-from llava.errors import InvalidRequest
+from llava.core.errors import InvalidRequest
 from llava.images.decode import ImageDecoder
 from llava.images.fetch import _HttpFetch
 from llava.images.policy import ImagePolicy

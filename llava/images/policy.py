@@ -7,7 +7,7 @@ import ipaddress
 import math
 from dataclasses import dataclass
 
-from llava.errors import ImageForbidden, InvalidRequest
+from llava.core.errors import ImageForbidden, InvalidRequest
 from llava.images.refs import _HINT
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address

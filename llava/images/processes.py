@@ -27,7 +27,7 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
-from llava.errors import ImageError, KitError
+from llava.core.errors import ImageError, KitError
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import httpcore
 
-from llava.errors import ImageFetchError, KitError
+from llava.core.errors import ImageFetchError, KitError
 from llava.images.policy import _parse_ip
 from llava.images.refs import _HINT
 

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from llava.errors import ImageError, ImageFetchError, ImageForbidden, InvalidRequest, KitError
+from llava.core.errors import ImageError, ImageFetchError, ImageForbidden, InvalidRequest, KitError
 from llava.images.limits import _CHUNK, _read_limited, _too_many_bytes
 from llava.images.policy import ImagePolicy
 from llava.images.refs import _HINT, _clean, describe_ref

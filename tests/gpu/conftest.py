@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from gpu_setting import Setting, setting
 
-from llava.tiny import build_checkpoint
+from llava.tools.tiny import build_checkpoint
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -17,14 +17,14 @@ import torch
 from gpu_setting import Setting
 from helpers import Reference, data_uri, make_image, serve_rows
 
-from llava.archive import build_archive
-from llava.config import ServerConfig
+from llava.api.session_api import SESSION_HEADER, GenerationParams
+from llava.core.config import ServerConfig
 from llava.engine import LlavaEngine, Tier
-from llava.engine.memory import TieredMemory
-from llava.launcher import TorchServe
-from llava.protocol import SESSION_HEADER, GenerationParams
-from llava.service import SessionService
-from llava.sessions import SessionStore
+from llava.fronts.torchserve.launcher import TorchServe
+from llava.server.service import SessionService
+from llava.sessions.memory import TieredMemory
+from llava.sessions.store import SessionStore
+from llava.tools.archive import build_archive
 
 TOKENS = 12
 GREEDY = GenerationParams(max_new_tokens=TOKENS)

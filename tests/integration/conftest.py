@@ -11,9 +11,9 @@ import httpx
 import pytest
 from helpers import Reference
 
-from llava.archive import build_archive
-from llava.launcher import TorchServe
-from llava.tiny import build_checkpoint
+from llava.fronts.torchserve.launcher import TorchServe
+from llava.tools.archive import build_archive
+from llava.tools.tiny import build_checkpoint
 
 WORKER_DIED = ("Backend worker process died", "worker died", "IllegalStateException")
 

@@ -14,7 +14,7 @@ import pytest
 from conftest import assert_no_worker_death, serving_profile
 from helpers import Reference, ask, data_uri, make_image, open_session, post
 
-from llava.launcher import TorchServe
+from llava.fronts.torchserve.launcher import TorchServe
 
 pytestmark = pytest.mark.integration
 

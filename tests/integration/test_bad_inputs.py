@@ -29,10 +29,10 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from llava.errors import ImageForbidden, InvalidRequest
+from llava.api.session_api import MAX_BODY_BYTES, NEW_SESSION, SESSION_HEADER
+from llava.core.errors import ImageForbidden, InvalidRequest
+from llava.fronts.torchserve.launcher import TorchServe
 from llava.images import ImageLoader, ImagePolicy
-from llava.launcher import TorchServe
-from llava.protocol import MAX_BODY_BYTES, NEW_SESSION, SESSION_HEADER
 
 pytestmark = pytest.mark.integration
 

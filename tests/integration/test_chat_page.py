@@ -23,9 +23,9 @@ import pytest
 from conftest import served
 from helpers import make_image
 
+from llava.api.session_api import SESSION_HEADER
 from llava.client import Session, SessionClient
-from llava.launcher import TorchServe
-from llava.protocol import SESSION_HEADER
+from llava.fronts.torchserve.launcher import TorchServe
 
 pytestmark = pytest.mark.integration
 gradio = pytest.importorskip("gradio", reason="the chat page needs the ui extra")
@@ -86,7 +86,7 @@ def torchserve(model_store, tmp_path_factory) -> Iterator[TorchServe]:
 
 @pytest.fixture(scope="module")
 def page_url(torchserve: TorchServe) -> Iterator[str]:
-    from llava.chat_page.app import build_app
+    from llava.tools.chat_page.app import build_app
 
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     url = torchserve.url("/predictions/llava")

@@ -6,7 +6,7 @@ import pytest
 from helpers import Reference, data_uri, make_image
 
 from llava.client import Session, SessionClient
-from llava.errors import InvalidRequest, SessionClosed, SessionNotFound
+from llava.core.errors import InvalidRequest, SessionClosed, SessionNotFound
 
 pytestmark = pytest.mark.integration
 

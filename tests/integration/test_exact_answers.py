@@ -17,7 +17,7 @@ import pytest
 from conftest import serving_profile
 from helpers import Reference, ask, data_uri, make_image, open_session
 
-from llava.launcher import TorchServe
+from llava.fronts.torchserve.launcher import TorchServe
 
 pytestmark = pytest.mark.integration
 

@@ -20,8 +20,8 @@ from conftest import running_servers
 from helpers import Reference, data_uri, make_image
 
 from llava.client import EndpointError, SessionClient
-from llava.errors import InvalidRequest
-from llava.local_runtime import LocalRuntime
+from llava.core.errors import InvalidRequest
+from llava.fronts.local_runtime.server import LocalRuntime
 
 pytestmark = pytest.mark.integration
 

@@ -28,8 +28,8 @@ import pytest
 from conftest import running_servers
 from helpers import Reference
 
-from llava.launcher import TorchServe
-from llava.local_runtime import LocalRuntime
+from llava.fronts.local_runtime.server import LocalRuntime
+from llava.fronts.torchserve.launcher import TorchServe
 
 pytestmark = pytest.mark.integration
 

@@ -10,8 +10,8 @@ import httpx
 import pytest
 from helpers import make_image, open_session, post
 
-from llava.launcher import TorchServe
-from llava.protocol import SESSION_HEADER
+from llava.api.session_api import SESSION_HEADER
+from llava.fronts.torchserve.launcher import TorchServe
 
 pytestmark = pytest.mark.integration
 

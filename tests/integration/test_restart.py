@@ -23,8 +23,8 @@ import pytest
 from conftest import served
 from helpers import Reference, ask, data_uri, make_image, open_session, post
 
-from llava.launcher import TorchServe
-from llava.protocol import SESSION_HEADER
+from llava.api.session_api import SESSION_HEADER
+from llava.fronts.torchserve.launcher import TorchServe
 
 pytestmark = pytest.mark.integration
 

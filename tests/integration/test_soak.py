@@ -16,7 +16,7 @@ import psutil
 import pytest
 from helpers import data_uri, make_image, post
 
-from llava.launcher import TorchServe
+from llava.fronts.torchserve.launcher import TorchServe
 
 pytestmark = pytest.mark.integration
 

@@ -19,7 +19,7 @@ import pytest
 from conftest import assert_no_worker_death, served
 from helpers import ask, data_uri, make_image, open_session, post
 
-from llava.launcher import TorchServe
+from llava.fronts.torchserve.launcher import TorchServe
 
 pytestmark = pytest.mark.integration
 

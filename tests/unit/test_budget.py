@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from llava.engine import budget
-from llava.engine.budget import GIB, available_host_bytes, derive_budgets, device_budget
+from llava.engine.model import budget
+from llava.engine.model.budget import GIB, available_host_bytes, derive_budgets, device_budget
 
 
 def test_the_device_budget_keeps_an_activation_reserve_and_room_for_the_decode_batch() -> None:

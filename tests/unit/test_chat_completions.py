@@ -7,16 +7,16 @@ from typing import Any
 
 import pytest
 
-from llava.chat_completions import (
+from llava.api.openai import (
     ChatCompletion,
     OpenAIReplies,
     chat_info,
     check_same_chat,
     image_key,
 )
-from llava.engine.sampling import visible_text
-from llava.errors import InvalidRequest
-from llava.protocol import NEW_SESSION, SESSION_HEADER, parse_request
+from llava.api.session_api import NEW_SESSION, SESSION_HEADER, parse_request
+from llava.core.errors import InvalidRequest
+from llava.engine.decoding.sampling import visible_text
 
 IMAGE = "https://example.com/cat.png"
 FIRST = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": IMAGE}},

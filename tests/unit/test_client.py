@@ -15,6 +15,7 @@ from botocore.exceptions import ClientError, EventStreamError
 from botocore.response import StreamingBody
 from botocore.stub import Stubber
 
+from llava.api.session_api import CLOSED_SESSION_HEADER, NEW_SESSION, NEW_SESSION_HEADER
 from llava.client import (
     MAX_INLINE_IMAGE_BYTES,
     Answer,
@@ -27,7 +28,7 @@ from llava.client import (
     image_ref,
     ndjson_lines,
 )
-from llava.errors import (
+from llava.core.errors import (
     Cancelled,
     CapacityExceeded,
     ImageTooLarge,
@@ -38,8 +39,7 @@ from llava.errors import (
     SessionExpired,
     SessionNotFound,
 )
-from llava.local_runtime import encode_event, exception_event, payload_part
-from llava.protocol import CLOSED_SESSION_HEADER, NEW_SESSION, NEW_SESSION_HEADER
+from llava.fronts.local_runtime.server import encode_event, exception_event, payload_part
 
 SID = "0123456789abcdef0123456789abcdef01234567"
 EXPIRES = "2031-01-02T03:04:05Z"

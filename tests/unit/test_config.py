@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 import yaml
 
-from llava.config import DTYPES, ServerConfig
-from llava.protocol import Limits
+from llava.api.session_api import Limits
+from llava.core.config import DTYPES, ServerConfig
 
 YAML = """
 handler:
@@ -221,6 +221,6 @@ def test_budgets_in_mb_become_bytes() -> None:
 def test_torch_threads_leave_a_cpu_for_the_frontend(
     configured: int, usable: int, torch_default: int, expected: int
 ) -> None:
-    from llava.engine.loading import torch_threads
+    from llava.engine.model.loading import torch_threads
 
     assert torch_threads(configured, usable, torch_default) == expected

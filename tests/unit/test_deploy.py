@@ -21,8 +21,8 @@ from boto3.s3.transfer import TransferConfig  # noqa: E402
 from botocore.stub import Stubber  # noqa: E402
 from moto import mock_aws  # noqa: E402
 
-from llava import deploy as dp  # noqa: E402
 from llava.__main__ import main  # noqa: E402
+from llava.tools import deploy as dp  # noqa: E402
 
 REGION = "us-east-1"
 ACCOUNT = "123456789012"

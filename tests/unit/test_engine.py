@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 from helpers import Reference, make_image
 
-from llava.config import ServerConfig
+from llava.api.session_api import GenerationParams
+from llava.core.config import ServerConfig
+from llava.core.errors import SessionExpired
 from llava.engine import LlavaEngine, Tier
-from llava.engine.memory import TieredMemory
-from llava.errors import SessionExpired
-from llava.protocol import GenerationParams
-from llava.sessions import SessionStore
+from llava.sessions.memory import TieredMemory
+from llava.sessions.store import SessionStore
 
 GREEDY = GenerationParams(max_new_tokens=10)
 PROMPTS = ["What is this?", "Which colors do you see?", "Is it big?", "Why?"]
@@ -187,7 +187,7 @@ def test_two_replicas_pin_sessions_to_the_least_loaded_and_batch_per_replica(
     """The multi-GPU layout, exercised on CPU: one model copy per device, sessions pinned."""
     from transformers import AutoModelForImageTextToText
 
-    from llava.engine.state import Replica
+    from llava.engine.state.session import Replica
 
     replicas = [
         Replica(AutoModelForImageTextToText.from_pretrained(tiny_checkpoint).eval(), r.device)
@@ -225,7 +225,7 @@ def test_cuda_uses_bf16_only_where_the_gpu_computes_it_natively(monkeypatch, cap
     """T4 (7.5) and V100 (7.0) report bf16 support but emulate it: they get float16."""
     import torch
 
-    from llava.engine import loading
+    from llava.engine.model import loading
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
@@ -236,7 +236,7 @@ def test_cuda_uses_bf16_only_where_the_gpu_computes_it_natively(monkeypatch, cap
 def test_unsupported_model_types_are_refused_before_loading(tmp_path):
     import json
 
-    from llava.families import UnsupportedModel
+    from llava.core.families import UnsupportedModel
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_vl"}))
     with pytest.raises(UnsupportedModel, match="llava_next.*llava_onevision"):
@@ -245,7 +245,7 @@ def test_unsupported_model_types_are_refused_before_loading(tmp_path):
 
 def test_worker_start_fails_when_image_features_are_silently_ignored(engine, monkeypatch):
     """How an older LlavaModel.forward behaved: features dropped, no error, wrong answers."""
-    from llava.engine import forward as forward_module
+    from llava.engine.model import forward as forward_module
 
     def embed_without_image(model, ids, token_id, features, offset):
         import torch

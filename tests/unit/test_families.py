@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from llava.archive import build_archive
-from llava.families import FAMILIES, UnsupportedModel, checkpoint_family
+from llava.core.families import FAMILIES, UnsupportedModel, checkpoint_family
+from llava.tools.archive import build_archive
 
 
 def checkpoint(tmp_path, model_type):

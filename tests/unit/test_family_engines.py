@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 from helpers import Reference, make_image
 
-from llava.config import ServerConfig
+from llava.api.session_api import GenerationParams
+from llava.core.config import ServerConfig
+from llava.core.errors import InvalidRequest
 from llava.engine import LlavaEngine
-from llava.errors import InvalidRequest
-from llava.protocol import GenerationParams
-from llava.tiny import build_checkpoint
+from llava.tools.tiny import build_checkpoint
 
 TOKENS = 10
 GREEDY = GenerationParams(max_new_tokens=TOKENS)

@@ -11,18 +11,18 @@ from typing import Any
 
 import pytest
 
-from llava.errors import ImageError
-from llava.protocol import (
+from llava.api.replies import Reply
+from llava.api.session_api import (
     JSON_CONTENT_TYPE,
     NEW_SESSION_HEADER,
     SESSION_HEADER,
     STREAM_CONTENT_TYPE,
     GenerationParams,
 )
-from llava.replies import Reply
-from llava.service import SessionService
-from llava.sessions import SessionStore
-from llava.torchserve import SessionHandler, freeze_startup_objects
+from llava.core.errors import ImageError
+from llava.fronts.torchserve.handler import SessionHandler, freeze_startup_objects
+from llava.server.service import SessionService
+from llava.sessions.store import SessionStore
 
 DATA_IMAGE = "data:image/png;base64,AAAA"
 HTTPS_IMAGE = "https://images.example.com/cat.png"

@@ -16,15 +16,15 @@ import pytest
 import torch
 from helpers import crash_on, data_uri, make_image, pid_and, same, unloadable
 
-from llava.config import ServerConfig
+from llava.core.config import ServerConfig
+from llava.core.errors import ImageError
 from llava.engine import LlavaEngine
-from llava.engine.loading import HOST
-from llava.engine.vision import as_bytes, from_bytes, image_features, process_images
-from llava.errors import ImageError
+from llava.engine.model.loading import HOST
+from llava.engine.model.vision import as_bytes, from_bytes, image_features, process_images
 from llava.images import ImageLoader
 from llava.images.background import BackgroundImages
 from llava.images.processes import ImageProcesses
-from llava.tiny import build_checkpoint
+from llava.tools.tiny import build_checkpoint
 
 
 class Bytes:

@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from llava.errors import (
+from llava.core.errors import (
     ImageError,
     ImageFetchError,
     ImageForbidden,

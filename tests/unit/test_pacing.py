@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from llava.engine.pacing import GAP_FACTOR, MAX_BUDGET, MAX_SURPRISE, MIN_BUDGET, StepPacer
-from llava.engine.scheduler import StepPlan
+from llava.engine.scheduling.pacing import (
+    GAP_FACTOR,
+    MAX_BUDGET,
+    MAX_SURPRISE,
+    MIN_BUDGET,
+    StepPacer,
+)
+from llava.engine.scheduling.scheduler import StepPlan
 
 MS = 0.001
 

@@ -14,12 +14,12 @@ import pytest
 import torch
 from helpers import make_image
 
-from llava.config import ServerConfig
+from llava.core.config import ServerConfig
 from llava.engine import LlavaEngine
-from llava.engine.batch import DecodeBatch
-from llava.engine.cache import new_cache
-from llava.engine.packed import Piece, packed_forward
-from llava.tiny import build_checkpoint
+from llava.engine.decoding.batch import DecodeBatch
+from llava.engine.model.cache import new_cache
+from llava.engine.model.packed import Piece, packed_forward
+from llava.tools.tiny import build_checkpoint
 
 
 @pytest.fixture(scope="module", params=["tiny", "next", "onevision"])

@@ -14,8 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llava.errors import InvalidRequest, KitError, PayloadTooLarge
-from llava.protocol import (
+from llava.api.session_api import (
     MAX_BODY_BYTES,
     NEW_SESSION,
     SESSION_HEADER,
@@ -33,6 +32,7 @@ from llava.protocol import (
     parse_request,
     stream_line,
 )
+from llava.core.errors import InvalidRequest, KitError, PayloadTooLarge
 
 SID = "abc-123"
 IMAGE = "https://example.com/cat.png"
@@ -665,8 +665,9 @@ def test_stream_line_keeps_non_ascii_as_utf8() -> None:
 def test_pure_layers_do_not_import_torch() -> None:
     code = (
         "import sys\n"
-        "import llava.errors, llava.protocol, llava.sessions, llava.config, llava.service\n"
-        "import llava.torchserve\n"
+        "import llava.core.errors, llava.api.session_api, llava.sessions.store\n"
+        "import llava.core.config, llava.server.service\n"
+        "import llava.fronts.torchserve.handler\n"
         "heavy = sorted(m for m in ('torch', 'transformers') if m in sys.modules)\n"
         "print(','.join(heavy))\n"
     )
@@ -680,10 +681,11 @@ def test_pure_layers_do_not_import_torch() -> None:
 def test_the_server_never_imports_the_chat_page_or_gradio() -> None:
     code = (
         "import sys\n"
-        "import llava.torchserve, llava.service, llava.engine, llava.local_runtime\n"
+        "import llava.fronts.torchserve.handler, llava.server.service, llava.engine\n"
+        "import llava.fronts.local_runtime.server\n"
         "import importlib; importlib.import_module('llava_handler')\n"
         "print(','.join(sorted(m for m in sys.modules if m.split('.')[0] in "
-        "('gradio', 'llava.chat_page') or m.startswith('llava.chat_page'))))\n"
+        "('gradio', 'llava.tools.chat_page') or m.startswith('llava.tools.chat_page'))))\n"
     )
     handler_dir = Path(__file__).resolve().parents[2] / "handler"
     env = {

@@ -7,15 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from llava.errors import SessionClosed, SessionLost, SessionNotFound
-from llava.registry import (
+from llava.core.errors import SessionClosed, SessionLost, SessionNotFound
+from llava.fronts.torchserve.handler import open_registry
+from llava.sessions.registry import (
     ENV_DIR,
     LOST_RETENTION_S,
     SessionRegistry,
     registry_path,
 )
-from llava.sessions import CLOSED, EXPIRED, LOST, SessionStore, new_session_id
-from llava.torchserve import open_registry
+from llava.sessions.store import CLOSED, EXPIRED, LOST, SessionStore, new_session_id
 
 NOW = 1_700_000_000.0
 
@@ -48,7 +48,7 @@ def test_path_is_per_model_under_tmpdir_or_the_env_dir(tmp_path, monkeypatch) ->
     import tempfile
 
     monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
-    assert registry_path("llava") == tmp_path / "t" / "llava-sessions-llava.registry"
+    assert registry_path("llava") == tmp_path / "t" / "llava-sessions-llava.sessions.registry"
     monkeypatch.setenv(ENV_DIR, str(tmp_path / "r"))
     assert registry_path("../evil name") == tmp_path / "r" / "llava-sessions-.._evil_name.registry"
     assert registry_path("m", tmp_path) == tmp_path / "llava-sessions-m.registry"

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from helpers import Reference, make_image
 
-from llava.config import ServerConfig
+from llava.api.session_api import GenerationParams
+from llava.core.config import ServerConfig
+from llava.core.errors import InvalidRequest
 from llava.engine import LlavaEngine, Tier
-from llava.errors import InvalidRequest
-from llava.protocol import GenerationParams
 
 GREEDY = GenerationParams(max_new_tokens=8)
 PROMPTS = ["What is this?", "Which colors do you see?", "Is it big?"]

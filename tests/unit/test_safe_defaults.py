@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from llava.launcher import TorchServe
-from llava.protocol import is_valid_session_id
-from llava.sessions import new_session_id
+from llava.api.session_api import is_valid_session_id
+from llava.fronts.torchserve.launcher import TorchServe
+from llava.sessions.store import new_session_id
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "llava"
@@ -37,7 +37,7 @@ def host_of(address: str) -> str:
 def test_local_serving_binds_every_listener_to_loopback(source: str, tmp_path) -> None:
     if source == "repository":
         text = (ROOT / "config.properties").read_text()
-    else:  # what llava.launcher writes for tests, the benchmark and the local runtime
+    else:  # what the launcher writes for tests, the benchmark and the local runtime
         text = TorchServe(tmp_path / "store", workdir=tmp_path)._write_config().read_text()
     config = properties(text)
     for key in ADDRESS_KEYS:

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from llava.errors import ImageError, InvalidRequest
-from llava.protocol import (
+from llava.api.replies import Reply
+from llava.api.session_api import (
     CLOSED_SESSION_HEADER,
     JSON_CONTENT_TYPE,
     NEW_SESSION_HEADER,
@@ -21,9 +21,9 @@ from llava.protocol import (
     GenerationParams,
     iso_utc,
 )
-from llava.replies import Reply
-from llava.service import Incoming, SessionService
-from llava.sessions import SessionStore
+from llava.core.errors import ImageError, InvalidRequest
+from llava.server.service import Incoming, SessionService
+from llava.sessions.store import SessionStore
 
 TTL = 60.0
 WALL0 = 1_700_000_000.0

@@ -8,15 +8,15 @@ from typing import Any
 
 import pytest
 
-from llava.errors import (
+from llava.api.session_api import SESSION_ID_RE, is_valid_session_id
+from llava.core.errors import (
     CapacityExceeded,
     SessionBusy,
     SessionClosed,
     SessionExpired,
     SessionNotFound,
 )
-from llava.protocol import SESSION_ID_RE, is_valid_session_id
-from llava.sessions import Session, SessionStore, new_session_id
+from llava.sessions.store import Session, SessionStore, new_session_id
 
 TTL = 60.0
 WALL0 = 1_700_000_000.0

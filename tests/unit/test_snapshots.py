@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 from helpers import Reference, make_image
 
-from llava.config import ServerConfig
+from llava.api.session_api import GenerationParams
+from llava.core.config import ServerConfig
 from llava.engine import LlavaEngine, Tier
-from llava.protocol import GenerationParams
-from llava.sessions import SessionStore, new_session_id
-from llava.snapshots import SUFFIX, CorruptSnapshot, SnapshotDir, recover
+from llava.sessions.snapshots import SUFFIX, CorruptSnapshot, SnapshotDir, recover
+from llava.sessions.store import SessionStore, new_session_id
 
 GREEDY = GenerationParams(max_new_tokens=8)
 PROMPTS = ["What is this?", "Which colors do you see?", "Is it big?"]

@@ -17,13 +17,13 @@ import pytest
 import torch
 from helpers import Reference, make_image, serve_rows
 
-from llava.config import ServerConfig
+from llava.api.session_api import GenerationParams
+from llava.core.config import ServerConfig
 from llava.engine import LlavaEngine, Tier
-from llava.engine.memory import TieredMemory
-from llava.engine.scheduler import IDLE_FACTOR
-from llava.protocol import GenerationParams
-from llava.service import SessionService
-from llava.sessions import SessionStore
+from llava.engine.scheduling.scheduler import IDLE_FACTOR
+from llava.server.service import SessionService
+from llava.sessions.memory import TieredMemory
+from llava.sessions.store import SessionStore
 
 GREEDY = GenerationParams(max_new_tokens=8)
 PROMPTS = ["What is this?", "Which colors do you see?", "Is it big?"]

@@ -16,7 +16,7 @@ import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 from transformers import AutoProcessor, AutoTokenizer, LlavaForConditionalGeneration  # noqa: E402
 
-from llava.tiny import PROFILES, build_checkpoint, main  # noqa: E402
+from llava.tools.tiny import PROFILES, build_checkpoint, main  # noqa: E402
 
 SPEC = PROFILES["tiny"]
 CONVERSATION = [
@@ -151,6 +151,6 @@ def test_refuses_to_replace_without_overwrite(checkpoint: Path, tmp_path: Path) 
 
 
 def test_import_stays_light() -> None:
-    code = "import sys, llava.tiny; assert not {'torch', 'transformers'} & set(sys.modules)"
+    code = "import sys, llava.tools.tiny; assert not {'torch', 'transformers'} & set(sys.modules)"
     root = Path(__file__).resolve().parents[2]
     subprocess.run([sys.executable, "-c", code], cwd=root, check=True)

@@ -1,0 +1,357 @@
+"""OpenAI chat completions: the request a chatbot client sends, and the replies it parses.
+
+A client of this API re-sends the whole conversation every turn. With a session header the kit
+matches it against the session's conversation by token prefix (the engine's normal path), so
+only the new tokens are prefilled; without one the request is a one-shot answer.
+
+    {"model": "llava", "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://..."}},
+                                     {"type": "text", "text": "What is this?"}]}],
+     "max_tokens": 64, "stream": true}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from llava.api.session_api import (
+    NEW_SESSION,
+    SESSION_HEADER,
+    GenerationParams,
+    Limits,
+    flag_field,
+    header,
+    is_valid_session_id,
+    number_field,
+)
+from llava.core.errors import InvalidRequest
+
+STREAM_CONTENT_TYPE = "text/event-stream"
+MAX_STOP_SEQUENCES = 4
+MAX_MESSAGES = 129  # a system prompt and 64 question/answer pairs
+
+_ACCEPTED = {
+    "model",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "n",
+    "user",
+    "session_id",
+}
+# Known OpenAI fields the kit does not implement: refused by name rather than ignored.
+_UNSUPPORTED = {
+    "tools": "tool calls",
+    "tool_choice": "tool calls",
+    "functions": "function calls",
+    "function_call": "function calls",
+    "logprobs": "log probabilities",
+    "top_logprobs": "log probabilities",
+    "logit_bias": "logit biases",
+    "response_format": "structured output",
+    "presence_penalty": "penalties",
+    "frequency_penalty": "penalties",
+    "audio": "audio output",
+    "modalities": "audio output",
+    "prediction": "predicted outputs",
+}
+
+
+@dataclass(frozen=True)
+class ChatCompletion:
+    """A chat-completions request: one image, the earlier turns and the new question."""
+
+    image: str = field(repr=False)
+    system_prompt: str | None
+    history: tuple[tuple[str, str], ...]
+    prompt: str = field(repr=False)
+    params: GenerationParams
+    stream: bool
+    include_usage: bool
+    model: str
+    session: str | None  # None: one-shot; NEW_SESSION: open a session; else the session's id
+
+    @property
+    def image_key(self) -> str:
+        """Identify the image reference, to check a session is asked about its own image."""
+        return image_key(self.image)
+
+
+def image_key(ref: str) -> str:
+    """Return a digest of an image reference (URL or inline data)."""
+    return hashlib.sha256(ref.strip().encode()).hexdigest()
+
+
+def chat_info(key: str, system_prompt: str | None) -> dict[str, Any]:
+    """Return what a session keeps of its opening (the image's `image_key`), to recognise its
+    chat when it is re-sent."""
+    return {"image_key": key, "system_prompt": system_prompt}
+
+
+def check_same_chat(info: Mapping[str, Any], request: ChatCompletion) -> None:
+    """Refuse a chat whose image or system prompt is not the session's own."""
+    if info.get("image_key") != request.image_key:
+        raise InvalidRequest(
+            "this session was opened with another image: re-send the session's own image in the "
+            f"first user message, or start a new session ({SESSION_HEADER}: {NEW_SESSION})",
+            field="messages",
+        )
+    if info.get("system_prompt") != request.system_prompt:
+        raise InvalidRequest(
+            "the system message differs from the one this session was opened with; start a new "
+            f"session ({SESSION_HEADER}: {NEW_SESSION}) to change it",
+            field="messages",
+        )
+
+
+def is_chat_completion(obj: Mapping[str, Any]) -> bool:
+    """Tell an OpenAI chat-completions body from the kit's own requests."""
+    return "messages" in obj and "type" not in obj
+
+
+def parse_chat_completion(
+    obj: Mapping[str, Any], headers: Mapping[str, Any], limits: Limits
+) -> ChatCompletion:
+    """Validate a chat-completions body into the conversation the engine answers."""
+    for name in sorted(obj):
+        if name in _UNSUPPORTED and obj[name] not in (None, False, 0, [], {}):
+            raise InvalidRequest(f'"{name}" ({_UNSUPPORTED[name]}) is not supported', field=name)
+        if name not in _ACCEPTED and name not in _UNSUPPORTED:
+            raise InvalidRequest(f"unknown field {name!r} for a chat completion", field=name)
+    if obj.get("n", 1) != 1:
+        raise InvalidRequest('"n" must be 1: one answer per request', field="n")
+    system_prompt, turns = _conversation(obj.get("messages"), limits)
+    image = turns[0][0]
+    assert image is not None  # _conversation requires one in the first user message
+    history = tuple((question, answer or "") for _, question, answer in turns[:-1])
+    return ChatCompletion(
+        image=image,
+        system_prompt=system_prompt,
+        history=history,
+        prompt=turns[-1][1],
+        params=_params(obj, limits),
+        stream=flag_field(obj, "stream", False),
+        include_usage=_include_usage(obj),
+        model=_model(obj),
+        session=_session(obj, headers),
+    )
+
+
+def _conversation(
+    messages: Any, limits: Limits
+) -> tuple[str | None, list[tuple[str | None, str, str | None]]]:
+    """Return the system prompt and the (image, question, answer) turns of the messages."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest('"messages" must be a non-empty list', field="messages")
+    if len(messages) > MAX_MESSAGES:
+        raise InvalidRequest(f'"messages" holds more than {MAX_MESSAGES}', field="messages")
+    system_prompt = None
+    turns: list[tuple[str | None, str, str | None]] = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise InvalidRequest(f'{where} must be an object with a "role"', field=where)
+        role = message["role"]
+        image, text = _content(message.get("content"), where, limits)
+        expected = "user" if not turns or turns[-1][2] is not None else "assistant"
+        if role in ("system", "developer") and i == 0 and image is None:
+            system_prompt = text
+        elif role == expected == "user":
+            if image is not None and turns:
+                raise InvalidRequest(
+                    f"{where}: images go in the first user message (send later ones with the "
+                    'session API\'s "image" field)',
+                    field=where,
+                )
+            if image is None and not turns:
+                raise InvalidRequest(
+                    f'{where}: the first user message needs an "image_url" part', field=where
+                )
+            turns.append((image, text, None))
+        elif role == expected == "assistant" and image is None:
+            turns[-1] = (turns[-1][0], turns[-1][1], text)
+        else:
+            raise InvalidRequest(
+                f'{where}: expected a "{expected}" message (an optional system message first, '
+                "then user and assistant in turn, ending with user)",
+                field=where,
+            )
+    if not turns or turns[-1][2] is not None:
+        raise InvalidRequest("the last message must be the user's question", field="messages")
+    return system_prompt, turns
+
+
+def _content(content: Any, where: str, limits: Limits) -> tuple[str | None, str]:
+    """Return a message's image URL (if any) and its text."""
+    if isinstance(content, str):
+        parts: list[Any] = [{"type": "text", "text": content}]
+    elif isinstance(content, list):
+        parts = content
+    else:
+        raise InvalidRequest(f"{where}.content must be a string or a list of parts", field=where)
+    image, texts = None, []
+    for part in parts:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind == "image_url" and image is None:
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            if not isinstance(url, str) or not url.strip():
+                raise InvalidRequest(f'{where}: "image_url" needs a "url"', field=where)
+            image = url
+        elif kind == "image_url":
+            raise InvalidRequest(f"{where}: one image per message", field=where)
+        else:
+            raise InvalidRequest(f'{where}: parts are "text" or "image_url"', field=where)
+    if len(texts) != 1 or not texts[0].strip():
+        raise InvalidRequest(f"{where}: exactly one non-empty text part", field=where)
+    if len(texts[0]) > limits.max_prompt_chars:
+        raise InvalidRequest(f"{where}: longer than {limits.max_prompt_chars} chars", field=where)
+    return image, texts[0]
+
+
+def _params(obj: Mapping[str, Any], limits: Limits) -> GenerationParams:
+    name = "max_completion_tokens" if "max_completion_tokens" in obj else "max_tokens"
+    tokens = limits.default_max_new_tokens
+    if obj.get(name) is not None:
+        tokens = number_field(obj, name, tokens, 1, limits.max_new_tokens, integer=True)
+    seed = obj.get("seed")
+    if seed is not None:
+        seed = number_field(obj, "seed", 0, 0, 2**63 - 1, integer=True)
+    return GenerationParams(
+        max_new_tokens=tokens,
+        # OpenAI's default temperature is 1, not the session API's 0.
+        temperature=float(number_field(obj, "temperature", 1.0, 0.0, 2.0, integer=False)),
+        top_p=float(number_field(obj, "top_p", 1.0, 1e-6, 1.0, integer=False)),
+        seed=seed,
+        stop=_stop(obj.get("stop")),
+    )
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    stops = [value] if isinstance(value, str) else value if value is not None else []
+    if (
+        not isinstance(stops, list)
+        or len(stops) > MAX_STOP_SEQUENCES
+        or not all(isinstance(s, str) and s for s in stops)
+    ):
+        raise InvalidRequest(
+            f'"stop" is a string or a list of at most {MAX_STOP_SEQUENCES} non-empty strings',
+            field="stop",
+        )
+    return tuple(stops)
+
+
+def _include_usage(obj: Mapping[str, Any]) -> bool:
+    options = obj.get("stream_options") or {}
+    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+        raise InvalidRequest('"stream_options" is {"include_usage": bool}', field="stream_options")
+    return bool(options.get("include_usage", False))
+
+
+def _model(obj: Mapping[str, Any]) -> str:
+    model = obj.get("model", "llava")
+    if not isinstance(model, str) or len(model) > 256:
+        raise InvalidRequest('"model" must be a string', field="model")
+    return model
+
+
+def _session(obj: Mapping[str, Any], headers: Mapping[str, Any]) -> str | None:
+    sid = header(headers, SESSION_HEADER)
+    sid = sid.strip() if sid is not None else obj.get("session_id")
+    if sid is None or sid == "":
+        return None
+    if not isinstance(sid, str) or not (sid == NEW_SESSION or is_valid_session_id(sid)):
+        raise InvalidRequest("malformed session id", field="session_id")
+    return sid
+
+
+class OpenAIReplies:
+    """Render an answer as OpenAI's `chat.completion`, or its server-sent chunks."""
+
+    stream_content_type = STREAM_CONTENT_TYPE
+
+    def __init__(self, model: str, include_usage: bool) -> None:
+        self.id = "chatcmpl-" + secrets.token_hex(12)
+        self.created = int(time.time())
+        self.model = model
+        self.include_usage = include_usage
+        self._role_sent = False
+
+    def chunk(self, delta: str) -> bytes:
+        """Return one content delta as an event (the first one names the role)."""
+        content: dict[str, str] = {"content": delta}
+        if not self._role_sent:
+            content = {"role": "assistant", **content}
+            self._role_sent = True
+        return self._event([{"index": 0, "delta": content, "finish_reason": None}])
+
+    def last(self, delta: str, usage: Mapping[str, Any], finish_reason: str | None) -> bytes:
+        """Return the last delta, the finish reason, the usage if asked for, and [DONE]."""
+        out = self.chunk(delta) if delta or not self._role_sent else b""
+        out += self._event([{"index": 0, "delta": {}, "finish_reason": finish_reason}])
+        if self.include_usage:
+            out += self._event([], usage=completion_usage(usage))
+        return out + b"data: [DONE]\n\n"
+
+    def whole(self, text: str, usage: Mapping[str, Any], finish_reason: str | None) -> bytes:
+        """Return a whole `chat.completion` object."""
+        body = {
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": finish_reason,
+                    "logprobs": None,
+                }
+            ],
+            "usage": completion_usage(usage),
+        }
+        return json.dumps(body, ensure_ascii=False).encode()
+
+    def error(self, body: Mapping[str, Any]) -> bytes:
+        """Return an error that arrives after the stream started, then the end of the stream."""
+        return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\ndata: [DONE]\n\n"
+
+    def _event(self, choices: list[Any], **extra: Any) -> bytes:
+        chunk = {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            **extra,
+        }
+        return b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n"
+
+
+def completion_usage(usage: Mapping[str, Any]) -> dict[str, Any]:
+    """Translate the kit's usage into OpenAI's, keeping the kit's figures alongside."""
+    prompt = int(usage["cached_tokens"]) + int(usage["prefill_tokens"])
+    completion = int(usage["generated_tokens"])
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": int(usage["cached_tokens"])},
+        "ttft_ms": usage.get("ttft_ms"),
+        "session_tier": usage.get("session_tier"),
+    }

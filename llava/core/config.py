@@ -1,0 +1,187 @@
+"""Server configuration: one frozen dataclass from model-config.yaml's `handler:` section.
+
+Every field can be overridden by an environment variable `LLAVA_<FIELD>` (upper case), which is
+how the SageMaker model's `Environment` tunes a deployed endpoint without rebuilding the archive.
+Values are validated at start with messages that say what to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from llava.api.session_api import Limits
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+# Numeric settings where 0 means "unset"; every other number must be positive.
+_ZERO_ALLOWED = {
+    "max_replicas",
+    "device_budget_mb",
+    "host_budget_mb",
+    "max_context_tokens",
+    "step_token_budget",
+    "snapshot_budget_mb",
+    "torch_threads",
+    "image_processes",
+}
+CACHE_MODES = ("kv", "pixels")
+ENV_PREFIX = "LLAVA_"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Settings of one TorchServe worker serving LLaVA sessions."""
+
+    # Model placement
+    device: str = "auto"  # "auto" (every visible GPU, else CPU), "cpu", "cuda", "cuda:1"
+    dtype: str = "auto"  # auto: bfloat16 (or float16) on GPU, float32 on CPU
+    attn_implementation: str = "sdpa"
+    max_replicas: int = 0  # on multi-GPU hosts, at most this many replicas (0 = one per GPU)
+    # Sessions
+    session_ttl_s: float = 1200.0
+    max_sessions: int = 64
+    # Memory tiers (0 = derived at start from the free memory: see engine/budget.py): past the
+    # device budget the least recently used sessions' caches move to host memory; past the host
+    # budget they keep only their image features (recomputed on their next turn); past that
+    # they are evicted.
+    device_budget_mb: float = 0.0
+    host_budget_mb: float = 0.0
+    cache_mode: str = "kv"  # "kv": per-session KV cache; "pixels": the reference design
+    # Scheduling: the tokens one step may process (decodes, prefill chunks, vision-tower work);
+    # what bounds how long any stream waits while others open sessions or ask long questions.
+    # 0 = measured: calibrated at start (engine/calibrate.py), then re-derived before every
+    # step from the steps actually run (engine/pacing.py).
+    step_token_budget: int = 0
+    # CPU threads for torch's own operators. 0 = one less than the CPUs this worker may use
+    # (at most torch's default): the core left over serves TorchServe's frontend and the image
+    # processes, whose work would otherwise stall every forward's thread barrier (measured on
+    # 2 cores: single decode steps of 190-300 ms against 12 ms while another process ran).
+    torch_threads: int = 0
+    reaper_interval_s: float = 5.0
+    # Snapshots: each session's conversation and image features on local disk, so a restarted
+    # worker loses no conversation. "" = <temp dir>/llava-snapshots (in the SageMaker DLC, /tmp:
+    # the container's local, writable disk); "off" = no snapshots. A budget of 0 = half the
+    # disk's free space at start; past it the oldest snapshots go.
+    snapshot_dir: str = ""
+    snapshot_budget_mb: float = 0.0
+    # Requests
+    max_body_bytes: int = 6 * 1024 * 1024
+    max_prompt_chars: int = 16_000
+    max_prompt_tokens: int = 2048
+    max_new_tokens: int = 1024
+    default_max_new_tokens: int = 256
+    max_context_tokens: int = 0  # 0 = the model's max_position_embeddings
+    # Images
+    image_allow_http: bool = False
+    image_allow_hosts: tuple[str, ...] = ()
+    image_max_bytes: int = 20 * 1024 * 1024
+    image_max_pixels: int = 40_000_000
+    image_timeout_s: float = 20.0
+    image_fetch_threads: int = 16  # downloads in flight at once (each waits on the network)
+    # Processes that decode images and run the processor (0 = on the worker's threads, where
+    # that CPU work holds the interpreter lock against every stream's step).
+    image_processes: int = 2
+    max_images_per_session: int = 8  # the opening image and those added with questions
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.cache_mode not in CACHE_MODES:
+            raise ValueError(
+                f"cache_mode {self.cache_mode!r} is not one of {', '.join(CACHE_MODES)}"
+            )
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(f"device {self.device!r}: use auto, cpu, cuda or cuda:N")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            if not math.isfinite(value):
+                raise ValueError(f"{f.name} must be a finite number, got {value}")
+            if value < 0 or (value == 0 and f.name not in _ZERO_ALLOWED):
+                raise ValueError(f"{f.name} must be positive, got {value}")
+        if not 1 <= self.default_max_new_tokens <= self.max_new_tokens:
+            raise ValueError("default_max_new_tokens must be between 1 and max_new_tokens")
+
+    @property
+    def limits(self) -> Limits:
+        """Return the request limits the protocol layer enforces."""
+        return Limits(
+            max_body_bytes=self.max_body_bytes,
+            max_prompt_chars=self.max_prompt_chars,
+            max_new_tokens=self.max_new_tokens,
+            default_max_new_tokens=self.default_max_new_tokens,
+        )
+
+    @property
+    def device_budget_bytes(self) -> int | None:
+        return int(self.device_budget_mb * 1024 * 1024) if self.device_budget_mb else None
+
+    @property
+    def host_budget_bytes(self) -> int | None:
+        return int(self.host_budget_mb * 1024 * 1024) if self.host_budget_mb else None
+
+    @property
+    def snapshot_budget_bytes(self) -> int | None:
+        return int(self.snapshot_budget_mb * 1024 * 1024) if self.snapshot_budget_mb else None
+
+    @classmethod
+    def from_mapping(
+        cls, section: Mapping[str, Any] | None, env: Mapping[str, str] | None = None
+    ) -> ServerConfig:
+        """Build from a yaml `handler:` section, then `LLAVA_*` environment overrides."""
+        section = dict(section or {})
+        known = {f.name: f for f in fields(cls)}
+        ignored = {"model_dir", "model_source"}  # archive-time keys, not worker settings
+        unknown = sorted(set(section) - set(known) - ignored)
+        if unknown:
+            raise ValueError(
+                f"unknown handler setting {unknown[0]!r} in model-config.yaml; "
+                f"known: {', '.join(sorted(known))}"
+            )
+        values = {k: v for k, v in section.items() if k in known}
+        for name, f in known.items():
+            raw = (env if env is not None else os.environ).get(ENV_PREFIX + name.upper())
+            if raw is not None:
+                values[name] = _parse_env(f, raw)
+        values = {k: _coerce(known[k], v) for k, v in values.items()}
+        return cls(**values)
+
+
+def _coerce(f: dataclasses.Field, value: Any) -> Any:
+    """Convert a yaml or env value to the field's declared type, or say what is wrong."""
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    try:
+        if kind.startswith("tuple"):
+            if isinstance(value, str):
+                value = value.split(",")
+            return tuple(str(v).strip() for v in value if str(v).strip())
+        if kind == "bool":
+            if isinstance(value, bool):
+                return value
+            raise ValueError
+        if kind == "int":
+            if isinstance(value, bool) or float(value) != int(value):
+                raise ValueError
+            return int(value)
+        if kind == "float":
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"handler setting {f.name}: expected {kind}, got {value!r}") from None
+
+
+def _parse_env(f: dataclasses.Field, raw: str) -> Any:
+    kind = f.type if isinstance(f.type, str) else str(f.type)
+    if kind == "bool":
+        lowered = raw.strip().lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{ENV_PREFIX}{f.name.upper()}={raw!r}: use true or false")
+    return raw  # _coerce converts it, splitting comma lists

@@ -1,0 +1,144 @@
+"""Advance answers that are decoding by one token each: stacked per replica, alone on failure.
+
+While the same answers decode on a replica, their caches stay stacked in one `DecodeBatch` and
+one forward advances them all. If that shared forward fails (a fault in any layer, an
+out-of-memory error), the batch is split back into each answer's own cache, cut to the steps it
+completed, and each answer is retried alone: only an answer that fails on its own gets an error,
+and the others go on exactly as if nothing had happened.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from llava.engine.decoding.batch import DecodeBatch
+from llava.engine.decoding.sampling import next_token, visible_text
+from llava.engine.model.cache import crop_to
+from llava.engine.state.session import Replica, Turn
+
+Forward = Callable[[Replica, Any, list[int], Any, int], torch.Tensor]
+
+
+class Decoder:
+    """Decode steps for every replica, and the bookkeeping of each sampled token."""
+
+    def __init__(self, replicas: list[Replica], forward: Forward, eos_ids: set[int]) -> None:
+        self.replicas = replicas
+        self.forward = forward
+        self.eos_ids = eos_ids
+        self._batches: dict[int, DecodeBatch] = {}  # replica index -> stacked decode batch
+
+    @property
+    def stacked(self) -> bool:
+        """Whether some answers are decoding in a stacked batch right now."""
+        return bool(self._batches)
+
+    def decode(self, replica_idx: int, group: list[tuple[int, Turn]]) -> dict[int, Exception]:
+        """Advance each (position, turn) of one replica by a token; return errors by position."""
+        turns = [t for _, t in group]
+        if len(turns) == 1:
+            self.split(replica_idx)
+            return self._decode_alone(group)
+        try:
+            logits = self.batch_for(replica_idx, turns).forward(self.replicas[replica_idx].model)
+        except Exception:  # the shared forward failed: retry alone, so only the culprit fails
+            self.split(replica_idx)
+            return self._decode_alone(group)
+        self.accept_rows(turns, logits)
+        return {}
+
+    def batch_for(self, replica_idx: int, turns: list[Turn]) -> DecodeBatch:
+        """Return the replica's stacked batch of exactly `turns`, restacked if its members
+        changed."""
+        batch = self._batches.get(replica_idx)
+        if batch is not None and batch.same_members(turns):
+            return batch
+        self.split(replica_idx)
+        batch = self._batches[replica_idx] = DecodeBatch(turns)
+        return batch
+
+    def accept_rows(self, turns: list[Turn], logits: torch.Tensor) -> None:
+        """Record the token each turn fed and the next one, sampled from its row of `logits`."""
+        for row, turn in enumerate(turns):
+            turn.fed = turn.fed + turn.pending
+            self.accept(turn, next_token(logits[row], turn.params, turn.generator))
+
+    def _decode_alone(self, group: list[tuple[int, Turn]]) -> dict[int, Exception]:
+        errors: dict[int, Exception] = {}
+        for i, turn in group:
+            try:
+                token = self.feed(turn, turn.pending, None, 0, sample=True)
+            except Exception as exc:
+                errors[i] = exc
+                continue
+            turn.fed = turn.fed + turn.pending
+            assert token is not None
+            self.accept(turn, token)
+        return errors
+
+    def feed(
+        self, turn: Turn, ids: list[int], features: Any, offset: int, *, sample: bool
+    ) -> int | None:
+        """Feed ids into the turn's cache and, if `sample`, choose the next token.
+
+        A failure in either leaves the cache as it was (the forward cuts itself back; a
+        failed choice cuts back what the forward added).
+        """
+        before = turn.cache.get_seq_length()
+        logits = self.forward(turn.state.replica, turn.cache, ids, features, offset)
+        if not sample:
+            return None
+        try:
+            return next_token(logits, turn.params, turn.generator)
+        except BaseException:
+            crop_to(turn.cache, before)
+            raise
+
+    def accept(self, turn: Turn, token: int) -> None:
+        """Record one sampled token: end the answer, or emit its text and feed it next."""
+        turn.delta = ""
+        if token in self.eos_ids:
+            self._finish(turn, "stop")
+            return
+        turn.generated.append(token)
+        turn.detokenizer.add(token)
+        turn.pending = [token]
+        if self._show(turn, final=False):
+            self._finish(turn, "stop")
+        elif len(turn.generated) >= turn.max_new_tokens:
+            self._finish(turn, "length")
+
+    @staticmethod
+    def _show(turn: Turn, *, final: bool) -> bool:
+        """Extend the answer's shown text; return True if it reached a stop string."""
+        shown, stopped = visible_text(turn.detokenizer.text, turn.params.stop, final=final)
+        turn.delta += shown[len(turn.text) :]
+        turn.text = shown
+        return stopped
+
+    def _finish(self, turn: Turn, reason: str) -> None:
+        turn.detokenizer.flush()
+        if self._show(turn, final=True):  # the text held back at the end completed a stop
+            reason = "stop"
+        turn.done, turn.finish_reason = True, reason
+        turn.finished_at = time.perf_counter()
+
+    def split(self, replica_idx: int) -> None:
+        """Give the answers of a replica's stacked batch their own caches back."""
+        batch = self._batches.pop(replica_idx, None)
+        if batch is not None:
+            batch.unstack()
+
+    def split_all(self) -> None:
+        for replica_idx in list(self._batches):
+            self.split(replica_idx)
+
+    def detach(self, turn: Turn) -> None:
+        """Make sure a turn's own cache is current (it may live in a stacked batch)."""
+        for replica_idx, batch in list(self._batches.items()):
+            if any(t is turn for t in batch.turns):
+                self.split(replica_idx)

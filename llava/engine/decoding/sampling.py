@@ -1,0 +1,97 @@
+"""Pick the next token and turn token ids into text deltas as they are generated."""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import torch
+
+from llava.api.session_api import GenerationParams
+
+
+def make_generator(params: GenerationParams, device: torch.device) -> torch.Generator | None:
+    """Return a seeded generator for sampled answers (None for greedy or unseeded)."""
+    if params.greedy or params.seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(params.seed)
+    return generator
+
+
+def next_token(
+    logits: torch.Tensor, params: GenerationParams, generator: torch.Generator | None
+) -> int:
+    """Choose the next token from one row of logits: argmax, or temperature + nucleus sampling."""
+    if params.greedy:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        # Keep the smallest set whose mass reaches top_p (always at least the top token).
+        outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= params.top_p
+        sorted_probs[outside] = 0.0
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class Detokenizer:
+    """Decode generated ids incrementally so the deltas add up to a one-shot decode.
+
+    Each call decodes the whole answer so far (cheap next to a forward pass). Text is held back
+    while it could still change: after a byte-fallback token (`<0xE2>`: a run of them decodes
+    as one UTF-8 sequence, or as U+FFFD per byte if invalid) and while it ends in U+FFFD.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._ids: list[int] = []
+        self._byte_ids: dict[int, bool] = {}
+        self.text = ""  # the text emitted so far; the whole answer once flushed
+
+    def add(self, token_id: int) -> str:
+        """Append one id; return the text it completes (possibly empty)."""
+        self._ids.append(token_id)
+        if self._is_byte(token_id):
+            return ""
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """Return whatever text is still held back at the end of the answer."""
+        return self._advance(final=True)
+
+    def _advance(self, *, final: bool) -> str:
+        text = self._tokenizer.decode(self._ids, skip_special_tokens=True)
+        if not final and (text.endswith("\ufffd") or not text.startswith(self.text)):
+            return ""
+        same = len(os.path.commonprefix([text, self.text]))
+        delta, self.text = text[same:], text
+        return delta
+
+    def _is_byte(self, token_id: int) -> bool:
+        known = self._byte_ids.get(token_id)
+        if known is None:
+            piece = self._tokenizer.convert_ids_to_tokens(token_id)
+            known = self._byte_ids[token_id] = bool(_BYTE_TOKEN.match(str(piece)))
+        return known
+
+
+_BYTE_TOKEN = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
+
+
+def visible_text(text: str, stops: tuple[str, ...], *, final: bool) -> tuple[str, bool]:
+    """Return the part of an answer that may be shown, and whether a stop string ended it.
+
+    The answer is cut before the first stop string; until the answer ends, a tail that could
+    still grow into one is held back, so no streamed text is ever taken back.
+    """
+    cuts = [at for stop in stops if (at := text.find(stop)) >= 0]
+    if cuts:
+        return text[: min(cuts)], True
+    if final or not stops:
+        return text, False
+    hold = max(
+        (n for stop in stops for n in range(1, len(stop)) if text.endswith(stop[:n])), default=0
+    )
+    return text[: len(text) - hold], False

@@ -1,0 +1,143 @@
+"""Load a checkpoint: check its family, pick devices and dtype, prove the engine's contract.
+
+The engine feeds the model its own input embeddings (image features scattered in) and reads the
+vision tower through `get_image_features`; both differ across transformers versions. A worker
+checks at start that the installed transformers and the checkpoint agree with what the engine
+passes, so a mismatch fails the worker with a message instead of answering wrongly.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llava.core.config import ServerConfig
+
+log = logging.getLogger(__name__)
+
+HOST = torch.device("cpu")
+
+
+def torch_threads(configured: int, usable_cpus: int, torch_default: int) -> int:
+    """The intra-op threads to run with: as configured, else one CPU left for everything else."""
+    if configured:
+        return configured
+    return max(1, min(torch_default, usable_cpus - 1))
+
+
+def set_torch_threads(config: ServerConfig) -> int:
+    """Apply `torch_threads` to this process and return the count."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = torch_threads(config.torch_threads, usable or 1, torch.get_num_threads())
+    torch.set_num_threads(threads)
+    log.info("torch runs %d CPU threads (set torch_threads to override)", threads)
+    return threads
+
+
+def resolve_devices(config: ServerConfig) -> list[torch.device]:
+    """List the devices to put a replica on: every visible GPU (capped), else the CPU."""
+    if config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available()):
+        return [HOST]
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"device {config.device!r} asked for but CUDA is not available")
+    if config.device.startswith("cuda:"):
+        return [torch.device(config.device)]
+    count = torch.cuda.device_count()
+    if config.max_replicas:
+        count = min(count, config.max_replicas)
+    return [torch.device("cuda", i) for i in range(count)]
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Tell whether a GPU computes in bfloat16 natively (compute capability 8.0, Ampere, on).
+
+    `torch.cuda.is_bf16_supported()` answers True on T4 and V100 too, which only emulate it.
+    """
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def resolve_dtype(config: ServerConfig, device: torch.device) -> torch.dtype:
+    """Pick the weights' dtype: bf16 on Ampere and later, fp16 on older GPUs, fp32 on CPU."""
+    if config.dtype != "auto":
+        return getattr(torch, config.dtype)
+    if device.type == "cuda":
+        return torch.bfloat16 if native_bf16(device) else torch.float16
+    return torch.float32
+
+
+def load_model(model_dir: Path, device: torch.device, config: ServerConfig) -> Any:
+    """Load one replica of the model on `device` through transformers' auto class."""
+    from transformers import AutoModelForImageTextToText
+
+    started = time.perf_counter()
+    model = AutoModelForImageTextToText.from_pretrained(
+        model_dir,
+        dtype=resolve_dtype(config, device),
+        attn_implementation=config.attn_implementation,
+    )
+    model.to(device).eval()
+    log.info("loaded %s on %s in %.1f s", model_dir.name, device, time.perf_counter() - started)
+    return model
+
+
+def load_processor(model_dir: Path) -> Any:
+    """Load the checkpoint's processor through `AutoProcessor`, images only without torchvision.
+
+    OneVision's processor also holds a video processor, which transformers builds only with
+    torchvision installed (the SageMaker PyTorch image has it). Without it, the processor is
+    built from the same files with its video part left out; images are processed identically.
+    """
+    from transformers import AutoProcessor
+    from transformers.utils import is_torchvision_available
+
+    config_file = model_dir / "processor_config.json"
+    name = (
+        json.loads(config_file.read_text()).get("processor_class") if config_file.exists() else None
+    )
+    if is_torchvision_available() or name is None:
+        return AutoProcessor.from_pretrained(model_dir)
+    from transformers.models.auto.processing_auto import processor_class_from_name
+
+    processor_class = processor_class_from_name(name)
+    if processor_class is None or "video_processor" not in processor_class.get_attributes():
+        return AutoProcessor.from_pretrained(model_dir)
+    log.info("torchvision is not installed: %s is loaded without its video processor", name)
+    return images_only(processor_class).from_pretrained(model_dir)
+
+
+def images_only(processor_class: Any) -> Any:
+    """Return a subclass of a multimodal processor class that has no video processor."""
+
+    class ImagesOnly(processor_class):
+        @classmethod
+        def get_attributes(cls) -> list[str]:
+            return [a for a in super().get_attributes() if a != "video_processor"]
+
+        def __reduce__(self) -> tuple[Any, ...]:  # image processes get a pickled copy
+            real = (processor_class.__module__, processor_class.__qualname__)
+            return _rebuild_images_only, (*real, self.__dict__)
+
+    # Saved and logged under the real class's name, so a checkpoint it writes loads anywhere.
+    ImagesOnly.__name__ = ImagesOnly.__qualname__ = processor_class.__name__
+    return ImagesOnly
+
+
+def _rebuild_images_only(module: str, qualname: str, state: dict[str, Any]) -> Any:
+    """Unpickle a processor made by `images_only`."""
+    cls = images_only(getattr(importlib.import_module(module), qualname))
+    processor = cls.__new__(cls)
+    processor.__dict__.update(state)
+    return processor
+
+
+def transformers_version() -> str:
+    import transformers
+
+    return str(transformers.__version__)

@@ -1,0 +1,214 @@
+"""One forward for many sessions' pieces: prefill chunks and decode tokens packed in one row.
+
+On a CPU or a GPU a forward's cost is mostly reading the weights, whatever its length: a step
+that runs a prefill chunk beside a decode in two forwards pays that twice. vLLM and SGLang feed
+every piece of a step through one forward, the tokens of all sequences packed in one row, each
+sequence attending only to its own cache. This is that forward over transformers' models: the
+pieces' tokens go in one row with their own positions; a packed cache appends each piece's new
+keys and values to its own session's cache; and a registered attention function attends each
+piece's queries to its own cache, causally. The keys and values are never copied together. The
+answers decoding in a stacked batch (`batch.py`) are one piece: a token per row of their stacked
+cache, attended in one call, so a step costs a few attention calls per layer, not one per answer.
+
+All or nothing, as `forward.py`: a failure in any layer cuts every piece's cache back.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, DynamicCache
+from transformers.cache_utils import DynamicLayer
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from llava.engine.model.cache import crop_to
+from llava.engine.model.vision import embed
+
+log = logging.getLogger(__name__)
+
+PREFIX = "llava_packed_"  # + the attention the model was loaded with: what unpacked calls use
+_NO_MASK = torch.zeros(1, 1, 1, 1, dtype=torch.bool)  # a 4-D mask: transformers builds none
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A piece of a packed forward: a session's prefill chunk or decode token, or one token for
+    each row of a stacked decode batch (`positions` and `mask` given)."""
+
+    cache: DynamicCache
+    ids: list[int]
+    features: torch.Tensor | None = None  # the session's image features (prefill chunks)
+    offset: int = 0  # the first image token's row in `features`
+    positions: torch.Tensor | None = None  # stacked: each row's position
+    mask: torch.Tensor | None = None  # stacked: [rows, keys] 1 where a row has a key (fed too)
+
+
+def enable_packing(model: Any) -> bool:
+    """Route the language model's attention through the packing attention, if it runs on an
+    attention function transformers registers (sdpa, flash attention; not the per-model eager
+    one, which unpacked forwards would then lose)."""
+    text = model.config.get_text_config()
+    base = text._attn_implementation
+    if base.startswith(PREFIX):
+        return True
+    if base not in ALL_ATTENTION_FUNCTIONS or base not in ALL_MASK_ATTENTION_FUNCTIONS:
+        return False
+    name = PREFIX + base
+    if name not in ALL_ATTENTION_FUNCTIONS:
+        unpacked = ALL_ATTENTION_FUNCTIONS[base]
+
+        def attention(
+            module: Any,
+            query: torch.Tensor,
+            key: torch.Tensor,
+            value: torch.Tensor,
+            attention_mask: Any,
+            packing: list[tuple[Piece, torch.Tensor | None]] | None = None,
+            **kwargs: Any,
+        ) -> tuple[torch.Tensor, Any]:
+            if packing is None:  # every other forward: the attention the model was loaded with
+                return unpacked(module, query, key, value, attention_mask, **kwargs)
+            return _attend(
+                module, query, packing, kwargs.get("scaling"), kwargs.get("sliding_window")
+            )
+
+        AttentionInterface.register(name, attention)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
+    try:
+        model.set_attn_implementation({"text_config": name})
+    except Exception:  # a transformers that cannot switch one sub-model's attention
+        log.warning(
+            "not packing steps: each prefill chunk runs a forward of its own", exc_info=True
+        )
+        return False
+    return True
+
+
+def _attend(
+    module: Any,
+    query: torch.Tensor,
+    packing: list[tuple[Piece, torch.Tensor | None]],
+    scaling: float | None,
+    window: int | None,
+) -> tuple[torch.Tensor, None]:
+    """Attend each piece's queries to its own cache (its new keys already appended) under its
+    mask and, for a sliding-window layer, to the last `window` positions only."""
+    outputs, start = [], 0
+    for piece, mask in packing:
+        layer = piece.cache.layers[module.layer_idx]
+        keys, values = layer.keys, layer.values
+        count = len(piece.ids)
+        q = query[:, :, start : start + count]
+        start += count
+        stacked = piece.mask is not None
+        if stacked:  # a row per token: [rows, heads, 1, dim]
+            q = q.transpose(0, 2)
+        total = keys.shape[2]
+        if window is not None and total > window:
+            mask = _within(mask, stacked, count, total, window, q.device)
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, scale=scaling, enable_gqa=keys.shape[1] != q.shape[1]
+        )
+        outputs.append(out.transpose(0, 2) if stacked else out)
+    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def _masks(
+    pieces: list[Piece], before: list[int], device: torch.device
+) -> list[torch.Tensor | None]:
+    """Each piece's attention mask, built once per forward (every layer uses it): causal for a
+    chunk, aligned to the end of its cache; a stacked piece's padding; none for one token."""
+    masks: list[torch.Tensor | None] = []
+    for piece, length in zip(pieces, before, strict=True):
+        count, total = len(piece.ids), length + len(piece.ids)
+        if piece.mask is not None:
+            masks.append(piece.mask.to(device).bool()[:, None, None, :])
+        elif count > 1:  # query i is at position total - count + i: it sees the keys up to there
+            masks.append(
+                torch.ones(count, total, dtype=torch.bool, device=device).tril(total - count)
+            )
+        else:
+            masks.append(None)
+    return masks
+
+
+def _within(
+    mask: torch.Tensor | None,
+    stacked: bool,
+    count: int,
+    total: int,
+    window: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """Narrow a piece's mask to the last `window` positions before each query."""
+    if stacked and mask is not None:  # every row's query is at the last position
+        narrowed = mask.clone()
+        narrowed[..., : total - window] = False
+        return narrowed
+    causal = mask if mask is not None else torch.ones(count, total, dtype=torch.bool, device=device)
+    return causal & ~causal.tril(total - count - window)
+
+
+class _PackedLayer(DynamicLayer):
+    """One layer of the packed cache: appends each piece's keys and values to its own cache."""
+
+    def __init__(self, index: int, pieces: list[Piece]) -> None:
+        super().__init__()
+        self.index, self.pieces = index, pieces
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        start = 0
+        for piece in self.pieces:
+            end = start + len(piece.ids)
+            keys, values = key_states[:, :, start:end], value_states[:, :, start:end]
+            if piece.mask is not None:  # a token per row: [rows, heads, 1, dim]
+                keys, values = keys.transpose(0, 2), values.transpose(0, 2)
+            piece.cache.layers[self.index].update(keys, values)
+            start = end
+        return key_states, value_states
+
+
+def packed_forward(model: Any, pieces: list[Piece], image_token_id: int) -> torch.Tensor:
+    """Feed every piece in one forward; return the logits of each piece's last token (of each
+    row, for a stacked piece), in order [rows, vocab]."""
+    before = [p.cache.get_seq_length() for p in pieces]
+    try:
+        embeds = torch.cat(
+            [embed(model, p.ids, image_token_id, p.features, p.offset) for p in pieces], dim=1
+        )
+        device = embeds.device
+        positions: list[torch.Tensor] = []
+        ends: list[int] = []
+        start = 0
+        for piece, length in zip(pieces, before, strict=True):
+            count = len(piece.ids)
+            if piece.positions is not None:
+                positions.append(piece.positions.to(device))
+                ends.extend(range(start, start + count))
+            else:
+                positions.append(torch.arange(length, length + count, device=device))
+                ends.append(start + count - 1)
+            start += count
+        packed = DynamicCache()
+        packed.layers = [_PackedLayer(i, pieces) for i in range(len(pieces[0].cache.layers))]
+        out = model(
+            inputs_embeds=embeds,
+            attention_mask=_NO_MASK.to(device),
+            position_ids=torch.cat(positions)[None],
+            past_key_values=packed,
+            use_cache=True,
+            logits_to_keep=torch.tensor(ends, device=device),
+            packing=list(zip(pieces, _masks(pieces, before, device), strict=True)),
+        )
+    except BaseException:
+        for piece, length in zip(pieces, before, strict=True):
+            crop_to(piece.cache, length)
+        raise
+    return out.logits[0]

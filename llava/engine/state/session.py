@@ -1,0 +1,146 @@
+"""What the engine keeps per replica, per session and per answer being generated."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from llava.api.session_api import GenerationParams
+from llava.engine.decoding.sampling import Detokenizer
+from llava.engine.model.cache import cache_tensors
+from llava.engine.state.chat import Exchange
+from llava.engine.state.imageset import ImageSet
+
+
+class Tier(str, Enum):
+    """Where a session's state lives; each step down frees memory and costs a little latency."""
+
+    DEVICE = "device"  # KV cache on the replica's device: the next turn prefills only itself
+    HOST = "host"  # KV cache in host memory: copied back on the next turn
+    FEATURES = "features"  # only the image features: the prefix is recomputed on the next turn
+
+
+@dataclass(eq=False)
+class Replica:
+    """One copy of the model on one device; sessions are pinned to a replica."""
+
+    model: Any
+    device: torch.device
+    sessions: int = 0
+
+
+def tensor_bytes(tensors: Any) -> int:
+    """Count the bytes of an iterable of tensors (None entries are skipped)."""
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+@dataclass(eq=False)
+class SessionState:
+    """A session's conversation, plus what is cached of it.
+
+    `cache` holds the keys/values of exactly `cache_ids` (None in the FEATURES tier or in the
+    reference `pixels` mode); `images` holds the projected features of the session's images in
+    order, in host memory, so the conversation can always be recomputed (or, in `pixels` mode,
+    the processed pixels on the device).
+    """
+
+    replica: Replica
+    system_prompt: str | None
+    images: ImageSet
+    prefix_ids: list[int]  # the system prompt and the first image: what an open prefills
+    cache: DynamicCache | None = None
+    cache_ids: list[int] = field(default_factory=list)  # the ids whose keys/values are cached
+    tier: Tier = Tier.DEVICE
+    history: list[Exchange] = field(default_factory=list)
+
+    @property
+    def prefix_len(self) -> int:
+        return len(self.prefix_ids)
+
+    @property
+    def cached(self) -> int:
+        return self.cache.get_seq_length() if self.cache is not None else 0
+
+    @property
+    def cache_bytes(self) -> int:
+        return tensor_bytes(cache_tensors(self.cache))
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes held on the replica's device (the cache, or the pixels in pixels mode)."""
+        cache = self.cache_bytes if self.tier is Tier.DEVICE else 0
+        return cache + self.images.device_bytes
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes held in host memory (an offloaded cache, the image features)."""
+        offloaded = self.cache_bytes if self.tier is Tier.HOST else 0
+        return offloaded + self.images.host_bytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.device_bytes + self.host_bytes
+
+
+@dataclass(eq=False)
+class Turn:
+    """One answer being generated; each engine step advances it by a chunk or a token.
+
+    `ids` are the whole conversation's ids up to the assistant's cue, as the model's own
+    pipeline tokenizes them; the turn's cache already holds `fed` (a prefix of them, then the
+    answer's tokens as they are fed back) and `pending` are the ids still to feed.
+    """
+
+    state: SessionState
+    prompt: str
+    params: GenerationParams
+    branch: bool  # history=False: answer from the image alone, leave the main line untouched
+    images: ImageSet  # the images of this turn's conversation (the session's, plus an added one)
+    added_images: int  # images sent with this question
+    past: list[Exchange]  # the earlier turns this answer follows (committed with it)
+    cache: DynamicCache
+    start_len: int  # cache length before this turn, to roll back on failure
+    ids: list[int]
+    fed: list[int]  # ids whose keys/values the turn's cache holds
+    pending: list[int]  # ids to feed on the next forward
+    max_new_tokens: int
+    detokenizer: Detokenizer
+    generator: torch.Generator | None
+    found_in: Tier  # where the session's state was when the question came
+    tower_tokens: int = 0  # image tokens the vision tower must produce before the prefill
+    features: torch.Tensor | None = None  # the conversation's image features, once encoded
+    opening: bool = False  # a new session's prefix: prefilled, nothing generated
+    generated: list[int] = field(default_factory=list)
+    text: str = ""
+    delta: str = ""  # text produced by the last step
+    done: bool = False
+    finish_reason: str | None = None
+    prefill_tokens: int = 0
+    cached_tokens: int = 0
+    started: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.first_token_at is None
+
+    def usage(self) -> dict[str, Any]:
+        """Report token counts, timings and the session's memory for this answer."""
+        end = self.finished_at or time.perf_counter()
+        first = self.first_token_at or end
+        return {
+            "prefill_tokens": self.prefill_tokens,
+            "cached_tokens": self.cached_tokens,
+            "generated_tokens": len(self.generated),
+            "ttft_ms": round((first - self.started) * 1000, 3),
+            "total_ms": round((end - self.started) * 1000, 3),
+            "finish_reason": self.finish_reason,
+            "session_bytes": self.state.nbytes,
+            "session_tier": self.found_in.value,
+        }

@@ -1,0 +1,109 @@
+"""A session's recoverable state as bytes: its conversation and image features, no cache.
+
+What a snapshot holds is exactly what the FEATURES tier keeps: the system prompt, the opening's
+token ids, the finished questions and answers, each image's token count and the projected image
+features in their own dtype (and, for families that re-encode a conversation's images jointly,
+the decoded images and the opening image's own features). A restored session starts in the
+FEATURES tier: its next turn recomputes the prefix from the features and answers as the
+undisturbed session would have.
+
+The bytes are a safetensors file (tensors with a JSON header; nothing is unpickled), tagged with
+the model's fingerprint so a snapshot is never restored into a different model. `capture`
+runs on the step thread and only takes references (features are replaced, never written in
+place; the history list is copied); the serialisation runs later, on the snapshot writer thread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
+
+from llava.engine.state.chat import Exchange
+from llava.engine.state.imageset import ImageSet
+from llava.engine.state.session import Replica, SessionState, Tier
+
+FORMAT = "llava-session-snapshot/1"
+
+
+def model_fingerprint(model_dir: Path) -> str:
+    """Identify a checkpoint by its config and its weight files' names and sizes."""
+    digest = hashlib.sha256()
+    for path in sorted(model_dir.iterdir()):
+        if path.name == "config.json":
+            digest.update(path.read_bytes())
+        elif path.suffix in (".safetensors", ".bin"):
+            digest.update(f"{path.name}:{path.stat().st_size};".encode())
+    return digest.hexdigest()[:32]
+
+
+def capture(state: SessionState, fingerprint: str, extra: dict[str, Any]) -> Callable[[], bytes]:
+    """Take what rebuilds `state` (references only); return the serialiser for later."""
+    images = state.images
+    if images.processed is not None or images.pending is not None:
+        raise ValueError("only an encoded kv-mode session can be snapshotted")
+    meta = {
+        "format": FORMAT,
+        "model": fingerprint,
+        "system_prompt": state.system_prompt,
+        "prefix_ids": list(state.prefix_ids),
+        "history": [[e.prompt, e.answer, e.added_images] for e in state.history],
+        "tokens": list(images.tokens),
+        "opening_tokens": list(images.opening.tokens) if images.opening is not None else None,
+        "sources": len(images.sources),
+        "extra": extra,
+    }
+    tensors: dict[str, torch.Tensor] = {}
+    if images.features is not None:
+        tensors["features"] = images.features
+    if images.opening is not None and images.opening.features is not None:
+        tensors["opening.features"] = images.opening.features
+    sources = list(images.sources)
+
+    def serialise() -> bytes:
+        for i, source in enumerate(sources):
+            tensors[f"source.{i}"] = torch.from_numpy(np.asarray(source.convert("RGB")).copy())
+        plain = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
+        return save_tensors(plain, metadata={"llava": json.dumps(meta)})
+
+    return serialise
+
+
+def restore(data: bytes, fingerprint: str, replica: Replica) -> tuple[SessionState, dict[str, Any]]:
+    """Rebuild a session's state (FEATURES tier) and the service's extra data from a snapshot;
+    raise ValueError when the bytes are not a snapshot of this model."""
+    try:
+        tensors = load_tensors(data)
+        header_len = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8 : 8 + header_len])
+        meta = json.loads(header["__metadata__"]["llava"])
+    except Exception as exc:  # safetensors raises its own error types
+        raise ValueError(f"not a session snapshot: {exc}") from exc
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"unknown snapshot format {meta.get('format')!r}")
+    if meta.get("model") != fingerprint:
+        raise ValueError("the snapshot was taken with a different model")
+    sources = [Image.fromarray(tensors[f"source.{i}"].numpy()) for i in range(meta["sources"])]
+    opening = None
+    if meta["opening_tokens"] is not None:
+        opening = ImageSet(meta["opening_tokens"], tensors.get("opening.features"))
+    images = ImageSet(meta["tokens"], tensors.get("features"), None, sources, opening=opening)
+    if images.features is None or images.features.shape[0] != sum(images.tokens):
+        raise ValueError("the snapshot's image features do not match its image tokens")
+    state = SessionState(
+        replica,
+        meta["system_prompt"],
+        images,
+        list(meta["prefix_ids"]),
+        tier=Tier.FEATURES,
+        history=[Exchange(p, a, n) for p, a, n in meta["history"]],
+    )
+    return state, meta["extra"]

@@ -1,0 +1,631 @@
+"""A local SageMaker runtime: the `sagemaker-runtime` wire protocol in front of local TorchServes.
+
+An unmodified boto3 client pointed at it (`AWS_ENDPOINT_URL_SAGEMAKER_RUNTIME`, any dummy
+credentials) sees what it would see from a SageMaker endpoint with sticky sessions:
+
+- `POST /endpoints/{name}/invocations` (`invoke_endpoint`) and
+  `POST /endpoints/{name}/invocations-response-stream`
+  (`invoke_endpoint_with_response_stream`, answered as AWS event-stream `PayloadPart` frames
+  as the container's chunks arrive);
+- sticky routing: `SessionId="NEW_SESSION"` (or none) goes to the least-loaded instance, the
+  container's new-session header pins the id to that instance and comes back as
+  `NewSessionId`; a known id goes to its instance; an unknown (or closed, or past its
+  `Expires`) id is refused with 400 `ValidationError` before reaching any container; the
+  container's closed-session header unpins the id and comes back as `ClosedSessionId`;
+- streaming calls cannot open sessions (`NEW_SESSION` is outside their pattern: 400);
+- a container error (status >= 400) becomes 424 `ModelError` with `OriginalStatusCode`,
+  `OriginalMessage` (the container's body) and `LogStreamArn`;
+- only the API's request headers reach the container (Content-Type, Accept, the session id,
+  custom attributes), as SageMaker's router strips the rest.
+
+    with TorchServe("model-store") as a, TorchServe("model-store") as b:
+        with LocalRuntime([a.url(), b.url()], name="llava") as runtime:
+            smr = boto3.client("sagemaker-runtime", endpoint_url=runtime.url, ...)
+            smr.invoke_endpoint(EndpointName="llava", Body=..., SessionId="NEW_SESSION")
+
+`python -m llava local-endpoint` starts N TorchServes and this runtime in front of them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import signal
+import struct
+import sys
+import threading
+import time
+import uuid
+from binascii import crc32
+from collections.abc import Iterator, Mapping, Sequence
+from datetime import datetime, timezone
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import httpx
+
+from llava.api.session_api import (
+    CLOSED_SESSION_HEADER,
+    MAX_BODY_BYTES,
+    NEW_SESSION,
+    NEW_SESSION_HEADER,
+    SESSION_HEADER,
+    SESSION_ID_MAX_LEN,
+    SESSION_ID_RE,
+)
+
+log = logging.getLogger(__name__)
+
+EVENTSTREAM_CONTENT_TYPE = "application/vnd.amazon.eventstream"
+CUSTOM_ATTRIBUTES_HEADER = "X-Amzn-SageMaker-Custom-Attributes"
+_PATH = re.compile(r"/endpoints/([^/]+)/(invocations|invocations-response-stream)")
+_EXPIRES = re.compile(r"Expires=(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ)")
+_ID_PATTERN = "^[a-zA-Z0-9](-*[a-zA-Z0-9])*$"
+_ID_OR_NEW_PATTERN = "^(NEW_SESSION)$|^[a-zA-Z0-9](-*[a-zA-Z0-9])*$"
+_CORAL = "http://internal.amazon.com/coral/com.amazon.sagemaker/"
+
+
+# --------------------------------------------------------------------------- event stream
+
+
+def encode_event(headers: Mapping[str, str | bytes | bool | int], payload: bytes) -> bytes:
+    """Encode one AWS event-stream message (what botocore's `EventStreamBuffer` decodes).
+
+    Layout: prelude (total length, headers length: big-endian uint32 each; CRC32 of those 8
+    bytes), headers (name length byte, name, type byte, value), payload, CRC32 of everything.
+    """
+    encoded = b"".join(_encode_header(name, value) for name, value in headers.items())
+    total = 12 + len(encoded) + len(payload) + 4
+    prelude = struct.pack("!II", total, len(encoded))
+    message = prelude + struct.pack("!I", crc32(prelude) & 0xFFFFFFFF) + encoded + payload
+    return message + struct.pack("!I", crc32(message) & 0xFFFFFFFF)
+
+
+def _encode_header(name: str, value: str | bytes | bool | int) -> bytes:
+    raw_name = name.encode()
+    if len(raw_name) > 255:
+        raise ValueError(f"header name too long: {name!r}")
+    out = struct.pack("!B", len(raw_name)) + raw_name
+    if isinstance(value, bool):
+        return out + struct.pack("!B", 0 if value else 1)  # 0 = true, 1 = false
+    if isinstance(value, int):
+        return out + struct.pack("!Bq", 5, value)  # int64
+    if isinstance(value, bytes):
+        return out + struct.pack("!BH", 6, len(value)) + value
+    data = value.encode()
+    return out + struct.pack("!BH", 7, len(data)) + data
+
+
+def payload_part(data: bytes) -> bytes:
+    """A `PayloadPart` event: its payload is the `Bytes` blob (the member is `eventpayload`)."""
+    return encode_event(
+        {
+            ":event-type": "PayloadPart",
+            ":content-type": "application/octet-stream",
+            ":message-type": "event",
+        },
+        data,
+    )
+
+
+def exception_event(exception_type: str, message: str, **fields: Any) -> bytes:
+    """A modeled exception event (`ModelStreamError`, `InternalStreamFailure`)."""
+    body = json.dumps({"Message": message, **fields}).encode()
+    return encode_event(
+        {
+            ":exception-type": exception_type,
+            ":content-type": "application/json",
+            ":message-type": "exception",
+        },
+        body,
+    )
+
+
+# --------------------------------------------------------------------------- the runtime
+
+
+class _Refusal(Exception):
+    """An error the runtime itself answers with (the router's, not the container's)."""
+
+    def __init__(self, status: int, error_type: str, message: str, **fields: Any) -> None:
+        super().__init__(message)
+        self.status, self.error_type, self.message, self.fields = (
+            status,
+            error_type,
+            message,
+            fields,
+        )
+
+
+class LocalRuntime:
+    """Serve the sagemaker-runtime API for one endpoint backed by local container URLs.
+
+    `instances` are base URLs of TorchServes (or any container answering `POST /invocations`).
+    `routes` shows the sticky routing table (session id -> instance index).
+
+        runtime = LocalRuntime(["http://127.0.0.1:8080", "http://127.0.0.1:8180"]).start()
+        print(runtime.url)     # AWS_ENDPOINT_URL_SAGEMAKER_RUNTIME
+        runtime.stop()
+    """
+
+    def __init__(
+        self,
+        instances: Sequence[str],
+        *,
+        name: str = "llava",
+        host: str = "127.0.0.1",
+        port: int = 0,
+        region: str = "us-east-1",
+        account: str = "000000000000",
+        timeout_s: float = 60.0,
+        enforce_expiry: bool = True,
+    ) -> None:
+        if not instances:
+            raise ValueError("need at least one container instance")
+        self.instances = [url.rstrip("/") for url in instances]
+        self.name = name
+        self.host = host
+        self.region = region
+        self.account = account
+        self.enforce_expiry = enforce_expiry
+        self._requested_port = port
+        self._routes: dict[str, tuple[int, float | None]] = {}
+        self._inflight = [0] * len(self.instances)
+        self._next = 0
+        self._lock = threading.Lock()
+        n = 8 * len(self.instances) + 8
+        self._http = httpx.Client(
+            timeout=httpx.Timeout(timeout_s, connect=5.0),
+            limits=httpx.Limits(max_connections=n, max_keepalive_connections=n),
+        )
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle
+
+    @property
+    def port(self) -> int:
+        if self._server is None:
+            raise RuntimeError("not started")
+        return self._server.server_address[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> LocalRuntime:
+        """Bind and serve in a background thread."""
+        self._server = _Server((self.host, self._requested_port), _Handler)
+        self._server.runtime = self
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="local-sagemaker-runtime", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop serving and close the connections to the containers."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._http.close()
+
+    def __enter__(self) -> LocalRuntime:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- routing
+
+    @property
+    def routes(self) -> dict[str, int]:
+        """A copy of the sticky routing table: session id -> instance index."""
+        with self._lock:
+            return {sid: index for sid, (index, _) in self._routes.items()}
+
+    def _pick(self) -> int:
+        """The least-loaded instance (pinned sessions + requests in flight), round-robin on ties."""
+        with self._lock:
+            pinned = [0] * len(self.instances)
+            for index, _ in self._routes.values():
+                pinned[index] += 1
+            order = [(self._next + k) % len(self.instances) for k in range(len(self.instances))]
+            best = min(order, key=lambda i: (pinned[i] + self._inflight[i], order.index(i)))
+            self._next = (best + 1) % len(self.instances)
+            return best
+
+    def _lookup(self, sid: str) -> int:
+        with self._lock:
+            entry = self._routes.get(sid)
+            expires = entry[1] if entry is not None and self.enforce_expiry else None
+            if expires is not None and time.time() >= expires:
+                del self._routes[sid]
+                entry = None
+        if entry is None:
+            raise _Refusal(
+                400,
+                "ValidationError",
+                f"Session id {sid} of endpoint {self.name} is not found, closed or expired.",
+            )
+        return entry[0]
+
+    def _pin(self, value: str, index: int) -> str:
+        sid = value.split(";", 1)[0].strip()
+        match = _EXPIRES.search(value)
+        expires = None
+        if match:
+            expires = (
+                datetime.strptime(match.group(1), "%Y-%m-%dT%H:%M:%SZ")
+                .replace(tzinfo=timezone.utc)
+                .timestamp()
+            )
+        with self._lock:
+            old = self._routes.get(sid)
+            if old is not None and old[0] != index:
+                log.warning("session id %s reused by instance %d (was %d)", sid, index, old[0])
+            self._routes[sid] = (index, expires)
+        return sid
+
+    def _unpin(self, sid: str, index: int) -> None:
+        with self._lock:
+            entry = self._routes.get(sid)
+            if entry is not None and entry[0] == index:
+                del self._routes[sid]
+
+    # -- one request
+
+    def _handle(self, h: _Handler) -> None:
+        body = _read_body(h)
+        length = len(body)
+        try:
+            match = _PATH.fullmatch(urlsplit(h.path).path)
+            if match is None:
+                raise _Refusal(404, "UnknownOperationException", f"no operation at {h.path}")
+            name, operation = unquote(match.group(1)), match.group(2)
+            if name != self.name:
+                raise _Refusal(
+                    400,
+                    "ValidationError",
+                    f"Endpoint {name} of account {self.account} not found.",
+                )
+            if length > MAX_BODY_BYTES:
+                raise _Refusal(
+                    413,
+                    "ValidationError",
+                    f"Request body is {length} bytes; the limit is {MAX_BODY_BYTES}.",
+                )
+            streaming = operation == "invocations-response-stream"
+            sid = h.headers.get(SESSION_HEADER)
+            sid = sid.strip() if sid is not None else None
+            self._check_session_id(sid, streaming)
+            opening = sid in (None, NEW_SESSION)
+            index = self._pick() if sid is None or sid == NEW_SESSION else self._lookup(sid)
+            headers = self._forward_headers(h, streaming)
+            url = self.instances[index] + "/invocations"
+            with self._lock:
+                self._inflight[index] += 1
+            try:
+                if streaming:
+                    self._stream(h, url, body, headers)
+                else:
+                    self._invoke(h, url, body, headers, index, opening)
+            finally:
+                with self._lock:
+                    self._inflight[index] -= 1
+        except _Refusal as refusal:
+            self._refuse(h, refusal)
+        except (BrokenPipeError, ConnectionResetError):
+            h.close_connection = True
+        except Exception as exc:  # a bug here: answer like the service would, keep serving
+            log.exception("local runtime failed on %s", h.path)
+            h.close_connection = True
+            self._refuse(h, _Refusal(500, "InternalFailure", f"{type(exc).__name__}: {exc}"))
+
+    def _check_session_id(self, sid: str | None, streaming: bool) -> None:
+        if sid is None:
+            return
+        ok = len(sid) <= SESSION_ID_MAX_LEN and (
+            SESSION_ID_RE.fullmatch(sid) is not None or (sid == NEW_SESSION and not streaming)
+        )
+        if not ok:
+            pattern = _ID_PATTERN if streaming else _ID_OR_NEW_PATTERN
+            raise _Refusal(
+                400,
+                "ValidationError",
+                f"1 validation error detected: Value '{sid[:300]}' at 'sessionId' failed to "
+                f"satisfy constraint: Member must satisfy regular expression pattern: {pattern}",
+            )
+
+    @staticmethod
+    def _forward_headers(h: _Handler, streaming: bool) -> dict[str, str]:
+        """Only the API's own request headers reach the container."""
+        out = {"Content-Type": h.headers.get("Content-Type") or "application/octet-stream"}
+        accept = h.headers.get("X-Amzn-SageMaker-Accept" if streaming else "Accept")
+        if accept:
+            out["Accept"] = accept
+        for name in (SESSION_HEADER, CUSTOM_ATTRIBUTES_HEADER):
+            value = h.headers.get(name)
+            if value is not None:
+                out[name] = value.strip()
+        return out
+
+    def _invoke(
+        self,
+        h: _Handler,
+        url: str,
+        body: bytes,
+        headers: dict[str, str],
+        index: int,
+        opening: bool,
+    ) -> None:
+        try:
+            r = self._http.post(url, content=body, headers=headers)
+        except httpx.HTTPError as exc:
+            raise self._unreachable(exc) from exc
+        if r.status_code >= 400:
+            self._model_error(h, r.status_code, r.content)
+            return
+        out = {"Content-Type": r.headers.get("Content-Type", "application/json")}
+        new = r.headers.get(NEW_SESSION_HEADER)
+        if new is None and ";" in r.headers.get(SESSION_HEADER, ""):  # the AWS sample's form
+            new = r.headers[SESSION_HEADER]
+        if new:
+            if opening:
+                self._pin(new, index)
+                out[NEW_SESSION_HEADER] = new.strip()
+            else:
+                log.warning("instance %d sent a new session id on a session request", index)
+        closed = r.headers.get(CLOSED_SESSION_HEADER)
+        if closed:
+            self._unpin(closed.strip(), index)
+            out[CLOSED_SESSION_HEADER] = closed.strip()
+        if CUSTOM_ATTRIBUTES_HEADER in r.headers:
+            out[CUSTOM_ATTRIBUTES_HEADER] = r.headers[CUSTOM_ATTRIBUTES_HEADER]
+        self._send(h, 200, out, r.content)
+
+    def _stream(self, h: _Handler, url: str, body: bytes, headers: dict[str, str]) -> None:
+        request = self._http.build_request("POST", url, content=body, headers=headers)
+        try:
+            r = self._http.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise self._unreachable(exc) from exc
+        try:
+            if r.status_code >= 400:
+                r.read()
+                self._model_error(h, r.status_code, r.content)
+                return
+            h.send_response(200)
+            self._common_headers(h)
+            h.send_header("Content-Type", EVENTSTREAM_CONTENT_TYPE)
+            h.send_header(
+                "X-Amzn-SageMaker-Content-Type",
+                r.headers.get("Content-Type", "application/octet-stream"),
+            )
+            h.send_header("Transfer-Encoding", "chunked")
+            h.end_headers()
+            for frame in _container_frames(r):
+                _write_chunk(h, frame)
+            _write_chunk(h, b"")
+        except (BrokenPipeError, ConnectionResetError):
+            h.close_connection = True  # the client went away: closing `r` tells the container
+        finally:
+            r.close()
+
+    def _unreachable(self, exc: Exception) -> _Refusal:
+        # A container that does not answer in time is reported as a ModelError without an
+        # OriginalStatusCode (SageMaker words it "server error (0)").
+        message = (
+            'Received server error (0) from primary with message "Your invocation timed out '
+            f'while waiting for a response from container primary." ({type(exc).__name__})'
+        )
+        return _Refusal(424, "ModelError", message, LogStreamArn=self._log_stream_arn())
+
+    def _log_stream_arn(self) -> str:
+        return (
+            f"arn:aws:logs:{self.region}:{self.account}:log-group:/aws/sagemaker/Endpoints/"
+            f"{self.name}"
+        )
+
+    def _model_error(self, h: _Handler, status: int, content: bytes) -> None:
+        text = content.decode("utf-8", "replace")
+        kind = "client" if status < 500 else "server"
+        message = (
+            f'Received {kind} error ({status}) from primary with message "{text}". See '
+            f"https://{self.region}.console.aws.amazon.com/cloudwatch/home?region={self.region}"
+            f"#logEventViewer:group=/aws/sagemaker/Endpoints/{self.name} in account "
+            f"{self.account} for more information."
+        )
+        self._refuse(
+            h,
+            _Refusal(
+                424,
+                "ModelError",
+                message,
+                OriginalStatusCode=status,
+                OriginalMessage=text,
+                LogStreamArn=self._log_stream_arn(),
+            ),
+        )
+
+    def _refuse(self, h: _Handler, refusal: _Refusal) -> None:
+        """An error in the shape botocore's rest-json parser reads: code in x-amzn-ErrorType."""
+        body = json.dumps({"Message": refusal.message, **refusal.fields}).encode()
+        headers = {
+            "Content-Type": "application/json",
+            "x-amzn-ErrorType": f"{refusal.error_type}:{_CORAL}",
+        }
+        self._send(h, refusal.status, headers, body)
+
+    def _common_headers(self, h: _Handler) -> None:
+        h.send_header("x-amzn-RequestId", str(uuid.uuid4()))
+        h.send_header("x-Amzn-Invoked-Production-Variant", "AllTraffic")
+
+    def _send(self, h: _Handler, status: int, headers: Mapping[str, str], body: bytes) -> None:
+        try:
+            h.send_response(status)
+            self._common_headers(h)
+            for key, value in headers.items():
+                h.send_header(key, value)
+            h.send_header("Content-Length", str(len(body)))
+            h.end_headers()
+            h.wfile.write(body)
+            h.wfile.flush()
+        except (BrokenPipeError, ConnectionResetError):
+            h.close_connection = True
+
+
+def _container_frames(r: httpx.Response) -> Iterator[bytes]:
+    """Event-stream frames for the container's chunks as they arrive; a broken stream ends
+    with a `ModelStreamError` event (error code `StreamBroken`)."""
+    try:
+        for chunk in r.iter_raw():
+            if chunk:
+                yield payload_part(chunk)
+    except httpx.HTTPError as exc:
+        yield exception_event(
+            "ModelStreamError",
+            f"The stream from container primary broke: {type(exc).__name__}: {exc}",
+            ErrorCode="StreamBroken",
+        )
+
+
+def _read_body(h: _Handler) -> bytes:
+    """The request body, by Content-Length or chunked transfer coding."""
+    if "chunked" in (h.headers.get("Transfer-Encoding") or "").lower():
+        parts: list[bytes] = []
+        while True:
+            size = int(h.rfile.readline().split(b";", 1)[0].strip() or b"0", 16)
+            if size == 0:
+                while h.rfile.readline() not in (b"\r\n", b"\n", b""):
+                    pass  # trailers
+                return b"".join(parts)
+            parts.append(h.rfile.read(size))
+            h.rfile.readline()
+    length = int(h.headers.get("Content-Length") or 0)
+    return h.rfile.read(length) if length > 0 else b""
+
+
+def _write_chunk(h: _Handler, data: bytes) -> None:
+    """Write one HTTP/1.1 chunk (an empty one ends the body) and flush it."""
+    h.wfile.write(f"{len(data):X}\r\n".encode() + data + b"\r\n")
+    h.wfile.flush()
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    runtime: LocalRuntime
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """Log a client that went away in one line, not as a traceback on stderr."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (ConnectionError, TimeoutError)):
+            log.debug("client %s went away: %s", client_address, exc)
+        else:
+            log.exception("error serving %s", client_address)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "LocalSageMakerRuntime/0.1"
+    server: _Server
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
+        self.server.runtime._handle(self)
+
+    def do_GET(self) -> None:  # noqa: N802
+        if urlsplit(self.path).path == "/ping":
+            self.server.runtime._send(self, 200, {"Content-Type": "text/plain"}, b"")
+            return
+        refusal = _Refusal(404, "UnknownOperationException", f"no operation at {self.path}")
+        self.server.runtime._refuse(self, refusal)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+        log.debug("%s %s", self.address_string(), format % args)
+
+
+# --------------------------------------------------------------------------- the command
+
+
+BANNER = """
+Local SageMaker runtime for endpoint '{name}' on {url}
+({n} TorchServe instance(s) of model '{model}' on ports {ports}). In another terminal:
+
+  export AWS_ENDPOINT_URL_SAGEMAKER_RUNTIME={url}
+  export AWS_ACCESS_KEY_ID=local AWS_SECRET_ACCESS_KEY=local AWS_DEFAULT_REGION=us-east-1
+  {python} - <<'EOF'
+from llava.client import SessionClient
+client = SessionClient.for_endpoint("{name}")
+with client.session(image="{sample}") as s:
+    print(s.ask("What is in the picture?", max_new_tokens=32).text)
+    for delta in s.stream("And the colors?", max_new_tokens=32):
+        print(delta, end="", flush=True)
+    print()
+EOF
+
+Stop everything with Ctrl-C.
+"""
+
+
+def serve(
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8090,
+    name: str = "llava",
+    instances: int = 2,
+    model_store: str | Path = "model-store",
+    model: str = "llava",
+) -> None:
+    """Start `instances` TorchServes and the runtime in front; block until Ctrl-C, then stop."""
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    from llava.fronts.torchserve.launcher import TorchServe
+
+    store = Path(model_store)
+    if not (store / model).exists() and not any(store.glob(f"{model}.*")):
+        raise SystemExit(f"no model '{model}' in {store}: build it first with `make archive`")
+    if instances < 1:
+        raise SystemExit("--instances must be at least 1")
+    servers = [TorchServe(store, model) for _ in range(instances)]
+    runtime: LocalRuntime | None = None
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        print(f"starting {instances} TorchServe instance(s)...", flush=True)
+        with ThreadPoolExecutor(instances) as pool:
+            for future in [pool.submit(ts.start) for ts in servers]:
+                future.result()
+        runtime = LocalRuntime([ts.url() for ts in servers], name=name, host=host, port=port)
+        runtime.start()
+        sample = Path(__file__).resolve().parent.parent / "examples" / "sample.png"
+        print(
+            BANNER.format(
+                name=name,
+                url=runtime.url,
+                n=instances,
+                model=model,
+                ports=", ".join(str(ts.port) for ts in servers),
+                python=sys.executable,
+                sample=sample,
+            ),
+            flush=True,
+        )
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        print("\nstopping...", flush=True)
+    finally:
+        if runtime is not None:
+            runtime.stop()
+        for ts in servers:
+            ts.stop()
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt

@@ -1,0 +1,412 @@
+"""The session service: advance every in-flight request by one step per call.
+
+TorchServe's continuous batching calls the handler once per generation step with every active
+request; this module is what the handler delegates to, with no TorchServe types in sight. Each
+call to `step()` admits new requests, turns those whose images have arrived (fetched on the
+image threads, decoded and run through the processor in the image processes) into engine turns,
+runs one engine step over every open being computed and every answer (the engine's scheduler
+decides how much of each, under a token budget), and returns, per request, either a `Reply` or
+`None` ("nothing to send yet": the request stays in the batch and comes back next step). A
+request that disappears from the batch has lost its client: its work is rolled back. A step
+that runs out of device memory frees what it can (idle sessions' caches move to host memory)
+and is retried once.
+
+Nothing a request does can fail another: every error is caught per request and becomes that
+request's own 4xx/5xx reply (or, once a stream has started, an in-band error line).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from concurrent.futures import FIRST_COMPLETED, wait
+from dataclasses import dataclass
+from typing import Any, Generic
+
+from llava.api.openai import (
+    ChatCompletion,
+    OpenAIReplies,
+    check_same_chat,
+)
+from llava.api.replies import (
+    KitReplies,
+    Replies,
+    Reply,
+    as_kit_error,
+    error_reply,
+    internal_error,
+)
+from llava.api.session_api import (
+    CLOSED_SESSION_HEADER,
+    NEW_SESSION,
+    CloseSession,
+    Generate,
+    Limits,
+    OpenSession,
+    Query,
+    Rollback,
+    parse_request,
+)
+from llava.core.errors import KitError
+from llava.images.background import BackgroundImages, ImageSource
+from llava.server.contract import Engine, StateT, TurnT
+from llava.server.inflight import Answering, Fetching, Opening
+from llava.server.opening import SessionOpener
+from llava.server.out_of_memory import step_with_retry
+from llava.sessions.snapshots import SnapshotDir
+from llava.sessions.store import LOST, Session, SessionStore
+
+log = logging.getLogger(__name__)
+
+# How long a step with nothing else to do waits for an image download, so a batch of pending
+# opens does not spin the frontend in a tight loop.
+IDLE_WAIT_S = 0.02
+
+
+@dataclass(frozen=True)
+class Incoming:
+    """One request as seen in one step: its id, its body (first step only) and its headers."""
+
+    request_id: str
+    body: Any
+    headers: Mapping[str, Any]
+
+
+class SessionService(Generic[StateT, TurnT]):
+    """Serve open / query / close requests over an engine, a session store and an image source."""
+
+    def __init__(
+        self,
+        engine: Engine[StateT, TurnT],
+        store: SessionStore,
+        images: ImageSource,
+        *,
+        limits: Limits = Limits(),
+        fetch_threads: int = 16,
+        image_processes: int = 0,
+        snapshots: SnapshotDir | None = None,
+    ) -> None:
+        self.engine = engine
+        self.store = store
+        self.images = images
+        self.limits = limits
+        self.snapshots = snapshots
+        self._images = BackgroundImages(
+            images, engine.image_preparer(), threads=fetch_threads, processes=image_processes
+        )
+        self.opener: SessionOpener[StateT, TurnT] = SessionOpener(engine, store, self._images)
+        self._work: dict[str, Fetching | Opening[StateT, TurnT] | Answering[TurnT]] = {}
+
+    def start_image_processes(self) -> None:
+        """Start the image processes now, so the first images do not wait for them."""
+        if self._images.processes is not None:
+            self._images.processes.start()
+
+    def close(self) -> None:
+        """Stop the image threads and processes."""
+        self._images.close()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._work)
+
+    def step(self, batch: list[Incoming]) -> list[Reply | None]:
+        """Advance every request of the batch by one step; never raises."""
+        present = {item.request_id for item in batch}
+        for request_id in [r for r in self._work if r not in present]:
+            self._abandon(request_id)
+        replies: dict[str, Reply] = {}
+        for item in batch:
+            if item.request_id not in self._work:
+                reply = self._guard(self._admit, item)
+                if reply is not None:
+                    replies[item.request_id] = reply
+        self._wait_if_idle(replies)
+        for request_id, work in list(self._work.items()):
+            if isinstance(work, Fetching) and work.image.done():
+                reply = self._image_arrived(request_id, work)
+                if reply is not None:
+                    replies[request_id] = reply
+        replies.update(self._advance_answers())
+        return [replies.get(item.request_id) for item in batch]
+
+    # -- admission -------------------------------------------------------------------------
+    def _guard(self, fn: Any, item: Incoming | None) -> Reply | None:
+        try:
+            return fn(item)
+        except KitError as exc:
+            return error_reply(exc)
+        except Exception as exc:
+            return error_reply(internal_error(exc))
+
+    def _admit(self, item: Incoming) -> Reply | None:
+        request = parse_request(item.body, item.headers, self.limits)
+        if isinstance(request, ChatCompletion):
+            self._admit_chat(item.request_id, request)
+            return None
+        if isinstance(request, Generate):
+            image = self._images.submit(request.image)
+            self._work[item.request_id] = Fetching(request, image)
+            return None
+        if isinstance(request, OpenSession):
+            self._work[item.request_id] = self.opener.fetch(request, None)
+            return None
+        if isinstance(request, Query):
+            session = self.store.begin_turn(request.session_id)
+            try:
+                if request.image is not None:
+                    earlier = self.engine.earlier_images(session.state)
+                    image = self._images.submit(request.image, earlier)
+                    self._work[item.request_id] = Fetching(request, image, session=session)
+                else:
+                    self._start_query(item.request_id, request, session)
+            except BaseException:
+                self.store.end_turn(session)
+                raise
+            return None
+        if isinstance(request, Rollback):
+            return self._rollback(request)
+        assert isinstance(request, CloseSession)
+        session = self.store.close(request.session_id)
+        return Reply(
+            _json({"session_id": session.id, "closed": True, "success": True}),
+            headers={CLOSED_SESSION_HEADER: session.id},
+        )
+
+    def _rollback(self, request: Rollback) -> Reply:
+        """Undo a session's last question and answer (a regenerate then reuses its cache)."""
+        session = self.store.begin_turn(request.session_id)
+        try:
+            turns = self.engine.rollback(session.state)
+            self._keep(session)
+        finally:
+            self.store.end_turn(session, self._nbytes(session))
+        body = {"session_id": session.id, "rolled_back": True, "turns": turns}
+        return Reply(_json(body))
+
+    def _wait_if_idle(self, replies: dict[str, Reply]) -> None:
+        if replies or any(not isinstance(w, Fetching) for w in self._work.values()):
+            return
+        pending = [w.image for w in self._work.values() if isinstance(w, Fetching)]
+        if pending:
+            wait(pending, timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
+
+    def _admit_chat(self, request_id: str, request: ChatCompletion) -> None:
+        """Admit an OpenAI chat completion: one-shot, opening a session, or continuing one."""
+        replies = OpenAIReplies(request.model, request.include_usage)
+        if request.session is None:  # no session: a one-shot answer
+            generate = Generate(
+                image=request.image,
+                prompt=request.prompt,
+                system_prompt=request.system_prompt,
+                history=request.history,
+                params=request.params,
+                stream=request.stream,
+            )
+            image = self._images.submit(request.image)
+            self._work[request_id] = Fetching(generate, image, replies=replies)
+            return
+        if request.session == NEW_SESSION:
+            self._work[request_id] = self.opener.fetch(request, replies)
+            return
+        session = self.store.begin_turn(request.session)
+        try:
+            check_same_chat(session.info, request)
+            self._start_query(request_id, request, session, replies=replies)
+        except BaseException:
+            self.store.end_turn(session)
+            raise
+
+    def _start_query(
+        self,
+        request_id: str,
+        request: Query | ChatCompletion,
+        session: Session,
+        image: Any = None,
+        *,
+        replies: Replies | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        if isinstance(request, ChatCompletion):
+            turn = self.engine.start_turn(
+                session.state, request.prompt, request.params, conversation=request.history
+            )
+        else:
+            turn = self.engine.start_turn(
+                session.state, request.prompt, request.params, history=request.history, image=image
+            )
+            replies = KitReplies(session.id, sample_reply=request.sample_reply)
+        assert replies is not None
+        self._work[request_id] = Answering(
+            session, turn, request.stream, replies, headers=headers or {}
+        )
+
+    # -- opening ---------------------------------------------------------------------------
+    def _image_arrived(self, request_id: str, work: Fetching) -> Reply | None:
+        del self._work[request_id]
+        request = work.request
+        if isinstance(request, Generate):
+            return self._guard(lambda _: self._start_generate(request_id, work), None)
+        if isinstance(request, Query):
+            assert work.session is not None  # a query always holds its session
+            session = work.session
+            try:
+                self._start_query(request_id, request, session, work.image.result())
+            except BaseException as exc:
+                self.store.end_turn(session)
+                return error_reply(as_kit_error(exc))
+            return None
+        opening = self.opener.begin(work)
+        if isinstance(opening, Reply):
+            return opening
+        self._work[request_id] = opening
+        return None
+
+    def _answer_new_chat(
+        self, request_id: str, request: ChatCompletion, opened: Session, replies: Replies | None
+    ) -> Reply | None:
+        """Answer a chat completion sent with NEW_SESSION in the session just opened for it."""
+        session = self.store.begin_turn(opened.id)
+        headers = self.opener.headers(opened)
+        try:
+            self._start_query(request_id, request, session, replies=replies, headers=headers)
+        except BaseException as exc:  # the client never learns the id: close the session
+            self.store.end_turn(session)
+            self.store.close(session.id)
+            return error_reply(as_kit_error(exc))
+        return None
+
+    def _start_generate(self, request_id: str, work: Fetching) -> None:
+        """Turn a one-shot generate whose image arrived into an answer with a transient state."""
+        request = work.request
+        assert isinstance(request, Generate)
+        state = self.engine.new_session(work.image.result(), request.system_prompt)
+        try:
+            self.engine.replay(state, list(request.history))
+            turn = self.engine.start_turn(state, request.prompt, request.params)
+        except BaseException:
+            self.engine.release(state)
+            raise
+        session = Session("", state, 0, 0.0, busy=True)
+        replies = work.replies or KitReplies(None)
+        self._work[request_id] = Answering(session, turn, request.stream, replies, transient=True)
+
+    # -- answering -------------------------------------------------------------------------
+    def _advance_answers(self) -> dict[str, Reply]:
+        """Run one engine step over every open and answer; reply to those it finished."""
+        running = [(r, w) for r, w in self._work.items() if not isinstance(w, Fetching)]
+        if not running:
+            return {}
+        errors = step_with_retry(self.engine, self.store, [w.turn for _, w in running])
+        replies: dict[str, Reply] = {}
+        for i, (request_id, work) in enumerate(running):
+            reply: Reply | None
+            try:
+                if isinstance(work, Opening):
+                    reply = self._advance_open(request_id, work, errors.get(i))
+                elif i in errors:
+                    reply = self._fail_answer(request_id, work, errors[i])
+                elif work.turn.done:
+                    reply = self._finish_answer(request_id, work)
+                else:
+                    reply = work.chunk()
+            except Exception as exc:  # finishing this request failed: fail it alone
+                self._work.pop(request_id, None)
+                error = internal_error(exc)
+                reply = work.failed(error) if isinstance(work, Answering) else error_reply(error)
+            if reply is not None:
+                replies[request_id] = reply
+        return replies
+
+    def _advance_open(
+        self, request_id: str, work: Opening[StateT, TurnT], error: BaseException | None
+    ) -> Reply | None:
+        """Store an open whose turn is done (answering a chat's first question), or drop it."""
+        if error is None and not work.turn.done:
+            return None
+        del self._work[request_id]
+        if error is not None:
+            self.opener.abort(work)
+            return error_reply(as_kit_error(error))
+        session = self.opener.finish(work)
+        if isinstance(session, Reply):
+            return session
+        self._keep(session)
+        if isinstance(work.request, ChatCompletion):
+            return self._answer_new_chat(request_id, work.request, session, work.replies)
+        return self.opener.opened_reply(session)
+
+    def _finish_answer(self, request_id: str, work: Answering) -> Reply:
+        del self._work[request_id]
+        try:
+            self.engine.finish_turn(work.turn)
+            if not work.transient:
+                self._keep(work.session)
+        finally:
+            self._end_turn(work)
+        if self.snapshots is None or work.transient:
+            return work.finished()
+        return work.finished(snapshot_bytes=self.snapshots.size_of(work.session.id))
+
+    def _keep(self, session: Session) -> None:
+        """Queue a snapshot of a session at its last finished turn (written off this thread)."""
+        if self.snapshots is None or session.closing:
+            return
+        try:
+            extra = {"info": session.info, "expires_at": self.store.expires_at(session)}
+            produce = self.engine.snapshot(session.state, extra)
+            if produce is not None:
+                self.snapshots.save(session.id, produce)
+        except Exception:  # a missing snapshot costs a restart's recovery, never this answer
+            log.exception("could not snapshot session %s", session.id)
+
+    def _end_turn(self, work: Answering) -> None:
+        if work.transient:
+            self.engine.release(work.session.state)
+        else:
+            self.store.end_turn(work.session, self._nbytes(work.session))
+
+    def _fail_answer(self, request_id: str, work: Answering, exc: BaseException) -> Reply:
+        self._drop_answer(request_id, work)
+        return work.failed(as_kit_error(exc))
+
+    def _drop_answer(self, request_id: str, work: Answering) -> None:
+        del self._work[request_id]
+        try:
+            self.engine.abort_turn(work.turn)
+        except Exception as exc:  # the cache may be inconsistent: the session cannot go on
+            internal_error(exc)
+            if not work.transient:
+                self.store.end(work.session, LOST)
+        finally:
+            self._end_turn(work)
+
+    def _abandon(self, request_id: str) -> None:
+        """Roll back a request whose client went away."""
+        work = self._work.get(request_id)
+        log.info("request %s left the batch (client gone); dropping its work", request_id)
+        try:
+            if isinstance(work, Answering):
+                self._drop_answer(request_id, work)
+            elif isinstance(work, Opening):
+                del self._work[request_id]
+                self.opener.abort(work)
+            elif isinstance(work, Fetching):
+                del self._work[request_id]
+                work.image.cancel()
+                if work.slot is not None:
+                    self.store.cancel(work.slot)
+                if work.session is not None:
+                    self.store.end_turn(work.session)
+        except Exception as exc:
+            internal_error(exc)
+
+    @staticmethod
+    def _nbytes(session: Session) -> int:
+        state = session.state
+        return int(getattr(state, "nbytes", 0)) if state is not None else 0
+
+
+def _json(obj: Any) -> bytes:
+    return json.dumps(obj, ensure_ascii=False).encode()

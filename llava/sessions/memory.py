@@ -1,0 +1,74 @@
+"""The tiered memory policy: device cache -> host cache -> image features only -> evicted.
+
+Applied by the session store to idle sessions, least recently used first, whenever a session is
+added or finishes a turn. Each step down frees memory at a price paid only if the session comes
+back: a copy back to the device, or recomputing its prefix from the kept image features (the
+answers stay the same either way).
+"""
+
+from __future__ import annotations
+
+from llava.engine.engine import LlavaEngine
+from llava.engine.state.session import Tier
+from llava.sessions.store import Session, idle_sessions
+
+
+class TieredMemory:
+    """Keep device and host bytes of all sessions within their budgets (None = unbounded)."""
+
+    def __init__(
+        self, engine: LlavaEngine, device_budget: int | None, host_budget: int | None
+    ) -> None:
+        self.engine = engine
+        self.device_budget = device_budget
+        self.host_budget = host_budget
+
+    def rebalance(self, sessions: list[Session], keep: str | None) -> list[Session]:
+        """Move idle sessions down the tiers until both budgets hold; return those to evict."""
+        states = [s.state for s in sessions if s.state is not None]
+        idle = [s for s in idle_sessions(sessions, keep) if s.state is not None]
+        victims: list[Session] = []
+        if self.device_budget is not None:
+            used = sum(state.device_bytes for state in states)
+            for session in idle:
+                if used <= self.device_budget:
+                    break
+                used -= self.engine.offload(session.state)
+        if self.host_budget is not None:
+            used = sum(state.host_bytes for state in states)
+            for session in idle:
+                if used <= self.host_budget:
+                    break
+                if session.state.tier is Tier.HOST:
+                    used -= self.engine.drop_cache(session.state)
+            for session in idle:
+                if used <= self.host_budget:
+                    break
+                if session.state.tier is Tier.FEATURES:
+                    used -= session.state.host_bytes
+                    victims.append(session)
+        for session in sessions:
+            if session.state is not None:
+                session.nbytes = session.state.nbytes
+        return victims
+
+    def relieve(self, sessions: list[Session]) -> None:
+        """Move every idle session's cache to host memory (the device ran out of memory)."""
+        for session in idle_sessions(sessions, None):
+            if session.state is None:
+                continue
+            self.engine.offload(session.state)
+            session.nbytes = session.state.nbytes
+
+    def tiers(self, sessions: list[Session]) -> dict[str, dict[str, int]]:
+        """Count sessions and bytes per tier (for metrics)."""
+        out = {tier.value: {"sessions": 0, "device_bytes": 0, "host_bytes": 0} for tier in Tier}
+        for session in sessions:
+            state = session.state
+            if state is None:
+                continue
+            entry = out[state.tier.value]
+            entry["sessions"] += 1
+            entry["device_bytes"] += state.device_bytes
+            entry["host_bytes"] += state.host_bytes
+        return out

@@ -1,0 +1,242 @@
+"""Session snapshots on local disk, so a restarted worker loses no conversation.
+
+A worker that dies (a fatal CUDA error, the OOM killer, a response timeout) takes its sessions'
+caches with it, but what rebuilds them is small: the token ids of the conversation and the image
+features. After an open and after each finished turn the service hands this directory a
+snapshot *producer* (the engine's `snapshot`: cheap references taken on the step thread); one
+writer thread serialises it and writes `<id>.snap` atomically (temporary file, then rename),
+readable by the worker's user only. A session's file goes when the session ends (closed,
+expired, evicted). A disk budget bounds the directory: past it, the snapshots written longest
+ago go first, and those sessions would answer `session_lost` after a restart.
+
+Each file starts with the SHA-256 of the rest, so a torn or corrupt file is refused on reading
+and costs that one session only. A fresh worker lists the files, restores the sessions its
+session registry says an earlier worker left open, and deletes the rest.
+
+Pure: no torch; what a snapshot holds is the engine's business (`llava/engine/state/snapshot.py`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import queue
+import shutil
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from llava.api.session_api import is_valid_session_id
+from llava.server.contract import Engine
+from llava.sessions.registry import safe_name
+from llava.sessions.store import EXPIRED, LOST, SessionStore
+
+log = logging.getLogger(__name__)
+
+SUFFIX = ".snap"
+_DIGEST = hashlib.sha256().digest_size
+
+
+class CorruptSnapshot(ValueError):
+    """A snapshot file that is torn, altered or not one of ours."""
+
+
+class SnapshotDir:
+    """Write, bound, list and read session snapshots in one directory (one writer thread)."""
+
+    def __init__(self, path: str | os.PathLike[str], budget_bytes: int) -> None:
+        self.path = Path(path)
+        self.budget_bytes = budget_bytes
+        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.path, 0o700)
+        self._sizes: OrderedDict[str, int] = OrderedDict()  # written longest ago first
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[tuple[str, Callable[[], bytes] | None] | None] = queue.Queue()
+        self._writer = threading.Thread(target=self._run, name="llava-snapshots", daemon=True)
+        self._writer.start()
+
+    @classmethod
+    def for_model(cls, directory: str, model_name: str, budget_bytes: int | None) -> SnapshotDir:
+        """Open `<directory>/<model>` ("" = the temp dir's `llava-snapshots`); the budget
+        defaults to half the disk's free space."""
+        base = Path(directory or Path(tempfile.gettempdir()) / "llava-snapshots")
+        path = base / safe_name(model_name)
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if budget_bytes is None:
+            budget_bytes = shutil.disk_usage(path).free // 2
+        log.info("session snapshots in %s (budget %d MiB)", path, budget_bytes >> 20)
+        return cls(path, budget_bytes)
+
+    # -- the step thread's side: never blocks on the disk ----------------------------------
+    def save(self, sid: str, produce: Callable[[], bytes]) -> None:
+        """Queue a snapshot of `sid` (produced and written on the writer thread)."""
+        self._queue.put((sid, produce))
+
+    def remove(self, sid: str) -> None:
+        """Queue the removal of `sid`'s snapshot (after any save queued before)."""
+        self._queue.put((sid, None))
+
+    def size_of(self, sid: str) -> int:
+        """Bytes of `sid`'s snapshot as last written (0 when none is on disk)."""
+        with self._lock:
+            return self._sizes.get(sid, 0)
+
+    def stats(self) -> dict[str, int]:
+        """Count snapshots on disk and their bytes."""
+        with self._lock:
+            return {"snapshots": len(self._sizes), "bytes": sum(self._sizes.values())}
+
+    def flush(self) -> None:
+        """Wait until every queued save and removal is on disk."""
+        self._queue.join()
+
+    def close(self) -> None:
+        """Finish what is queued, then stop the writer thread."""
+        self._queue.put(None)
+        self._writer.join(timeout=30)
+
+    # -- start-up --------------------------------------------------------------------------
+    def found(self) -> list[str]:
+        """Return the ids of the snapshots in the directory (stray files are removed)."""
+        ids = []
+        for entry in sorted(self.path.iterdir(), key=_mtime):
+            sid = entry.name.removesuffix(SUFFIX)
+            if entry.suffix == SUFFIX and is_valid_session_id(sid) and entry.is_file():
+                ids.append(sid)
+                with self._lock:
+                    self._sizes[sid] = entry.stat().st_size
+            else:  # a temporary file a dead worker left half-written
+                _unlink(entry)
+        return ids
+
+    def read(self, sid: str) -> bytes:
+        """Return the payload of `sid`'s snapshot, or raise `CorruptSnapshot`."""
+        try:
+            data = (self.path / (sid + SUFFIX)).read_bytes()
+        except OSError as exc:
+            raise CorruptSnapshot(f"cannot read the snapshot of {sid}: {exc}") from exc
+        digest, payload = data[:_DIGEST], data[_DIGEST:]
+        if len(data) <= _DIGEST or hashlib.sha256(payload).digest() != digest:
+            raise CorruptSnapshot(f"the snapshot of {sid} is torn or corrupt")
+        return payload
+
+    def discard(self, sid: str) -> None:
+        """Delete `sid`'s snapshot now (at start-up, before the writer has work)."""
+        self._delete(sid)
+
+    # -- the writer thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                sid, produce = item
+                if produce is None:
+                    self._delete(sid)
+                else:
+                    self._write(sid, produce)
+            except Exception:  # a failed snapshot costs a restart's recovery, never a request
+                log.exception("session snapshot for %s failed", item[0] if item else "?")
+            finally:
+                self._queue.task_done()
+
+    def _write(self, sid: str, produce: Callable[[], bytes]) -> None:
+        payload = produce()
+        tmp = self.path / f".{sid}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as out:
+            out.write(hashlib.sha256(payload).digest())
+            out.write(payload)
+        os.replace(tmp, self.path / (sid + SUFFIX))
+        with self._lock:
+            self._sizes[sid] = _DIGEST + len(payload)
+            self._sizes.move_to_end(sid)
+            over = sum(self._sizes.values()) - self.budget_bytes
+            victims = []
+            for old, size in self._sizes.items():
+                if over <= 0 or old == sid:
+                    break
+                victims.append(old)
+                over -= size
+        for old in victims:
+            log.warning(
+                "snapshot disk budget (%d bytes) reached: dropping the snapshot of %s, which "
+                "would be lost if the worker restarted; raise snapshot_budget_mb",
+                self.budget_bytes,
+                old,
+            )
+            self._delete(old)
+
+    def _delete(self, sid: str) -> None:
+        with self._lock:
+            self._sizes.pop(sid, None)
+        _unlink(self.path / (sid + SUFFIX))
+
+
+def recover(
+    snapshots: SnapshotDir,
+    engine: Engine[Any, Any],
+    store: SessionStore,
+    left_open: Iterable[str],
+    *,
+    clock: Callable[[], float] = time.time,
+) -> dict[str, int]:
+    """Restore the sessions an earlier worker left open from their snapshots, at start-up.
+
+    Sessions left open without a usable snapshot answer `session_lost`, those whose idle time
+    ran out while no worker served them `session_expired`; snapshots of sessions that ended
+    are deleted. Returns how many sessions went each way.
+    """
+    left = set(left_open)
+    found = snapshots.found()
+    counts = {"restored": 0, "expired": 0, "corrupt": 0, "lost": 0}
+    if found:
+        log.info("restoring sessions from %d snapshot(s) in %s", len(found), snapshots.path)
+    for n, sid in enumerate(found, 1):
+        if sid not in left:  # ended before the worker died: nothing of it may stay
+            snapshots.discard(sid)
+            continue
+        left.discard(sid)
+        try:
+            state, extra = engine.resume(snapshots.read(sid))
+        except ValueError as exc:
+            log.warning("session %s cannot be restored (%s); it answers session_lost", sid, exc)
+            snapshots.discard(sid)
+            store.load_tombstones([sid], LOST)
+            counts["corrupt"] += 1
+            continue
+        expires_at = float(extra.get("expires_at", 0))
+        if expires_at <= clock():
+            engine.release(state)
+            snapshots.discard(sid)
+            store.load_tombstones([sid], EXPIRED)
+            counts["expired"] += 1
+            continue
+        store.restore(sid, state, state.nbytes, expires_at, extra.get("info") or {})
+        counts["restored"] += 1
+        if n % 50 == 0:
+            log.info("restored %d of %d snapshot(s)", n, len(found))
+    counts["lost"] = store.load_tombstones(left, LOST)
+    if found or left:
+        log.info("sessions after the restart: %s", counts)
+    return counts
+
+
+def _mtime(entry: Path) -> float:
+    try:
+        return entry.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        log.warning("could not remove %s: %s", path, exc)

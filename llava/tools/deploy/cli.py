@@ -1,0 +1,186 @@
+"""The command line: arguments and runners of `python -m llava deploy` and `... delete`."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+from llava.tools.archive import add_model_arguments
+from llava.tools.deploy.aws import _describe_or_none
+from llava.tools.deploy.discover import discover_bucket, discover_role
+from llava.tools.deploy.endpoint import Deployment, deploy
+from llava.tools.deploy.errors import DeployError, EndpointExistsError
+from llava.tools.deploy.names import validate_name
+from llava.tools.deploy.spec import DeploySpec
+from llava.tools.deploy.teardown import DeleteReport, delete
+from llava.tools.deploy.upload import upload_archive
+
+
+def _pairs(values: list[str] | None, option: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in values or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"{option} {item!r}: expected KEY=VALUE")
+        out[key.strip()] = value
+    return out
+
+
+def add_deploy_arguments(parser: Any) -> None:
+    """The options of `python -m llava deploy`."""
+    parser.add_argument("--image-uri", required=True, help="ECR image from ./build_and_push.sh")
+    parser.add_argument(
+        "--role-arn", help="SageMaker execution role (default: the notebook's, via the SDK)"
+    )
+    parser.add_argument(
+        "--bucket", help="S3 bucket for the model data (default: sagemaker-<region>-<account>)"
+    )
+    parser.add_argument(
+        "--prefix", help="S3 prefix for the model data (default: llava-sessions/<name>/<UTC time>)"
+    )
+    add_model_arguments(parser)
+    parser.add_argument(
+        "--archive", help="upload this unpacked archive (with MAR-INF) instead of building one"
+    )
+    parser.add_argument(
+        "--baked-image",
+        action="store_true",
+        help="the image holds the archive (MODEL_DIR=...): no upload, no model data",
+    )
+    parser.add_argument("--name", default="llava", help="endpoint name (default: llava)")
+    parser.add_argument("--instance-type", default="ml.g5.2xlarge")
+    parser.add_argument("--instance-count", type=int, default=1)
+    parser.add_argument("--ttl", type=float, default=1200, help="session idle TTL in seconds")
+    parser.add_argument(
+        "--setting",
+        action="append",
+        metavar="NAME=VALUE",
+        help="worker setting (LLAVA_<NAME>), e.g. --setting max_sessions=32; repeatable",
+    )
+    parser.add_argument(
+        "--env", action="append", metavar="KEY=VALUE", help="extra container variable; repeatable"
+    )
+    parser.add_argument("--download-timeout", type=int, default=1800, help="seconds (60-3600)")
+    parser.add_argument("--startup-timeout", type=int, default=1800, help="seconds (60-3600)")
+    parser.add_argument(
+        "--inference-component",
+        action="store_true",
+        help="deploy as an inference component on a model-less endpoint",
+    )
+    parser.add_argument("--accelerators", type=int, default=1, help="GPUs per component copy")
+    parser.add_argument("--memory-mb", type=int, default=16384, help="host memory per copy")
+    parser.add_argument("--copy-count", type=int, default=1, help="component copies")
+    parser.add_argument(
+        "--update", action="store_true", help="switch an existing endpoint to this deployment"
+    )
+    parser.add_argument("--no-wait", action="store_true", help="return once creation started")
+    parser.add_argument("--region", help="AWS region (default: the AWS configuration's)")
+
+
+def add_delete_arguments(parser: Any) -> None:
+    """The options of `python -m llava delete`."""
+    parser.add_argument("--name", default="llava", help="endpoint name (default: llava)")
+    parser.add_argument("--s3-uri", help="also delete the model data under this S3 prefix")
+    parser.add_argument("--ecr-repository", help="also delete this ECR repository and its images")
+    parser.add_argument("--no-wait", action="store_true", help="do not wait for the endpoint")
+    parser.add_argument("--region", help="AWS region (default: the AWS configuration's)")
+
+
+def _bucket_region(s3: Any, bucket: str) -> str:
+    location = s3.get_bucket_location(Bucket=bucket).get("LocationConstraint")
+    return {None: "us-east-1", "": "us-east-1", "EU": "eu-west-1"}.get(location, location)
+
+
+def run_deploy(args: Any) -> Deployment:
+    """`python -m llava deploy`: build the archive, upload it, deploy, print how to call it."""
+    import boto3
+
+    try:
+        sm = boto3.client("sagemaker", region_name=args.region)
+        region = sm.meta.region_name
+        name = validate_name(args.name)
+        role_arn = args.role_arn or discover_role()
+        s3_uri = None
+        if not args.baked_image:
+            s3 = boto3.client("s3", region_name=region)
+            bucket = args.bucket or discover_bucket(s3_client=s3, region=region)
+            stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+            prefix = (args.prefix or f"llava-sessions/{name}/{stamp}").strip("/")
+            s3_uri = f"s3://{bucket}/{prefix}/"
+            bucket_region = _bucket_region(s3, bucket)
+            if bucket_region != region:
+                raise DeployError(
+                    f"bucket {bucket} is in {bucket_region}, the endpoint would be in {region}: "
+                    "SageMaker reads model data only from its own region"
+                )
+        spec = DeploySpec(
+            name=name,
+            image_uri=args.image_uri,
+            role_arn=role_arn,
+            model_data_s3=s3_uri,
+            instance_type=args.instance_type,
+            instance_count=args.instance_count,
+            session_ttl_s=args.ttl,
+            settings=_pairs(args.setting, "--setting"),
+            env=_pairs(args.env, "--env"),
+            model_data_download_timeout_s=args.download_timeout,
+            container_startup_health_check_timeout_s=args.startup_timeout,
+            inference_component=args.inference_component,
+            accelerators=args.accelerators,
+            memory_mb=args.memory_mb,
+            copy_count=args.copy_count,
+        )
+        existing = _describe_or_none(sm.describe_endpoint, EndpointName=name)
+        if existing is not None and not args.update:  # fail before a long build and upload
+            raise EndpointExistsError(
+                f"endpoint {name!r} already exists ({existing.get('EndpointStatus')}): delete it "
+                f"(python -m llava delete --name {name}), pick another --name, or pass --update"
+            )
+        if s3_uri is not None:
+            if args.archive:
+                upload_archive(args.archive, s3_uri, s3_client=s3)
+            else:
+                import tempfile
+
+                from llava.tools.archive import build_archive, resolve_model
+
+                model_dir = resolve_model(args.model, args.cache_dir)
+                with tempfile.TemporaryDirectory(prefix="llava-archive-") as tmp:
+                    archive = build_archive(model_dir, tmp, name="llava")
+                    upload_archive(archive, s3_uri, s3_client=s3)
+        record = deploy(spec, sm_client=sm, wait=not args.no_wait, update=args.update)
+    except (DeployError, ValueError) as exc:
+        raise SystemExit(f"error: {exc}") from None
+
+    delete_cmd = f"python -m llava delete --name {record.endpoint_name}"
+    if record.model_data_s3:
+        delete_cmd += f" --s3-uri {record.model_data_s3}"
+    print(f"endpoint: {record.endpoint_name} ({record.status}, {region})")
+    if record.inference_component_name:
+        print(f"inference component: {record.inference_component_name}")
+    print(f"model data: {record.model_data_s3 or 'baked into the image'}")
+    print("\nCall it:\n")
+    print(record.client_snippet())
+    print(f"\nDelete it (stops the instance charges):\n\n{delete_cmd}")
+    return record
+
+
+def run_delete(args: Any) -> DeleteReport:
+    """`python -m llava delete`: remove the endpoint and what was made for it."""
+    import boto3
+
+    try:
+        sm = boto3.client("sagemaker", region_name=args.region)
+        report = delete(
+            args.name,
+            sm_client=sm,
+            s3_uri=args.s3_uri,
+            ecr_repository=args.ecr_repository,
+            wait=not args.no_wait,
+        )
+    except (DeployError, ValueError) as exc:
+        raise SystemExit(f"error: {exc}") from None
+    print(f"deleted: {', '.join(report.deleted) or 'nothing'}")
+    if report.missing:
+        print(f"already gone: {', '.join(report.missing)}")
+    return report
