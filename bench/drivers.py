@@ -18,7 +18,8 @@ from typing import Any
 
 import httpx
 
-from llava.api.session_api import SESSION_HEADER, GenerationParams
+from llava.api.headers import SESSION_HEADER
+from llava.core.params import GenerationParams
 
 STRATEGIES = ("stateless", "pixels", "session")
 

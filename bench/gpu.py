@@ -30,7 +30,7 @@ sys.path.insert(0, str(HERE))
 import load  # noqa: E402
 import run  # noqa: E402
 
-from llava.api.session_api import SESSION_HEADER  # noqa: E402
+from llava.api.headers import SESSION_HEADER  # noqa: E402
 
 PROFILE, LOGIC_PROFILE = "llava15-7b", "tiny"
 

@@ -48,7 +48,7 @@ sys.path.insert(0, str(HERE))
 
 from drivers import generate_body, open_body, query_body  # noqa: E402
 
-from llava.api.session_api import SESSION_HEADER  # noqa: E402
+from llava.api.headers import SESSION_HEADER  # noqa: E402
 
 JSON = {"Content-Type": "application/json"}
 PROMPTS = [

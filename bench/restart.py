@@ -28,7 +28,7 @@ sys.path.insert(0, str(HERE))
 from drivers import query_body  # noqa: E402
 from load import JSON, Client, photo_uri, start  # noqa: E402
 
-from llava.api.session_api import SESSION_HEADER  # noqa: E402
+from llava.api.headers import SESSION_HEADER  # noqa: E402
 
 PROMPTS = ["What is shown in this picture?", "Which colors stand out?", "Anything unusual?"]
 

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 from PIL import Image
 
-from llava.api.session_api import SESSION_HEADER
+from llava.api.headers import SESSION_HEADER
 
 
 def make_image(seed: int, size: tuple[int, int] = (48, 40)) -> Image.Image:

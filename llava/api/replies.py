@@ -2,7 +2,7 @@
 
 The service decides when to send (a chunk per step, the last one, an error); a `Replies` object
 decides what the bytes are. The session API's own shape is here; OpenAI's chat completions are in
-`chat_completions.py`.
+`openai_replies.py`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from llava.api.session_api import JSON_CONTENT_TYPE, STREAM_CONTENT_TYPE, stream_line
+from llava.api.headers import JSON_CONTENT_TYPE, STREAM_CONTENT_TYPE, stream_line
 from llava.core.errors import KitError
 
 log = logging.getLogger(__name__)

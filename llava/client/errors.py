@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from llava.api.session_api import header
+from llava.api.headers import header
 from llava.client.response import Response
 from llava.core.errors import CapacityExceeded, KitError, from_body
 

@@ -7,8 +7,8 @@ import mimetypes
 import os
 from pathlib import Path
 
-from llava.api.session_api import MAX_BODY_BYTES
 from llava.core.errors import ImageTooLarge
+from llava.core.params import MAX_BODY_BYTES
 
 # A base64 image inside the JSON body must keep the body under SageMaker's 6 MiB: base64 grows
 # bytes by 4/3, and the envelope needs a little room (about 4.5 MB of raw image).

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from llava.api.session_api import header
+from llava.api.headers import header
 
 
 @dataclass

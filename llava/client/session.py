@@ -10,12 +10,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from llava.api.session_api import (
-    NEW_SESSION,
-    NEW_SESSION_HEADER,
-    SESSION_HEADER,
-    STREAM_CONTENT_TYPE,
-)
+from llava.api.headers import NEW_SESSION, NEW_SESSION_HEADER, SESSION_HEADER, STREAM_CONTENT_TYPE
 from llava.client.errors import EndpointError, ErrorResponse, TransportError, error_for
 from llava.client.inline import image_ref
 from llava.client.lines import ndjson_lines

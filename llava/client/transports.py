@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, Protocol, runtime_checkable
 
-from llava.api.session_api import (
+from llava.api.headers import (
     CLOSED_SESSION_HEADER,
     JSON_CONTENT_TYPE,
     NEW_SESSION_HEADER,

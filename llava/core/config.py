@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from llava.api.session_api import Limits
+from llava.core.params import Limits
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 # Numeric settings where 0 means "unset"; every other number must be positive.

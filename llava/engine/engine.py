@@ -31,10 +31,10 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from llava.api.session_api import GenerationParams
 from llava.core.config import ServerConfig
 from llava.core.errors import InvalidRequest
 from llava.core.families import check_model_type, checkpoint_family
+from llava.core.params import GenerationParams
 from llava.engine.decoding.decoder import Decoder
 from llava.engine.decoding.sampling import Detokenizer, make_generator
 from llava.engine.model.cache import crop_to

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
-from llava.api.session_api import GenerationParams
+from llava.core.params import GenerationParams
 
 
 class EngineState(Protocol):

@@ -13,15 +13,10 @@ from __future__ import annotations
 import json
 from typing import Any, Generic
 
+from llava.api.headers import NEW_SESSION_HEADER, SESSION_HEADER, expires_header, iso_utc
 from llava.api.openai import ChatCompletion, chat_info, image_key
 from llava.api.replies import Replies, Reply, as_kit_error, error_reply, internal_error
-from llava.api.session_api import (
-    NEW_SESSION_HEADER,
-    SESSION_HEADER,
-    OpenSession,
-    expires_header,
-    iso_utc,
-)
+from llava.api.session_api import OpenSession
 from llava.images.background import BackgroundImages
 from llava.server.contract import Engine, StateT, TurnT
 from llava.server.inflight import Fetching, Opening

@@ -24,11 +24,10 @@ from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
 from typing import Any, Generic
 
-from llava.api.openai import (
-    ChatCompletion,
-    OpenAIReplies,
-    check_same_chat,
-)
+from llava.api.dispatch import parse_request
+from llava.api.headers import CLOSED_SESSION_HEADER, NEW_SESSION
+from llava.api.openai import ChatCompletion, check_same_chat
+from llava.api.openai_replies import OpenAIReplies
 from llava.api.replies import (
     KitReplies,
     Replies,
@@ -37,18 +36,9 @@ from llava.api.replies import (
     error_reply,
     internal_error,
 )
-from llava.api.session_api import (
-    CLOSED_SESSION_HEADER,
-    NEW_SESSION,
-    CloseSession,
-    Generate,
-    Limits,
-    OpenSession,
-    Query,
-    Rollback,
-    parse_request,
-)
+from llava.api.session_api import CloseSession, Generate, OpenSession, Query, Rollback
 from llava.core.errors import KitError
+from llava.core.params import Limits
 from llava.images.background import BackgroundImages, ImageSource
 from llava.server.contract import Engine, StateT, TurnT
 from llava.server.inflight import Answering, Fetching, Opening

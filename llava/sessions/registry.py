@@ -36,7 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-from llava.api.session_api import is_valid_session_id
+from llava.core.ids import is_valid_session_id
 
 try:  # POSIX only; TorchServe workers run on Linux
     import fcntl

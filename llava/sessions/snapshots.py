@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from llava.api.session_api import is_valid_session_id
+from llava.core.ids import is_valid_session_id
 from llava.server.contract import Engine
 from llava.sessions.registry import safe_name
 from llava.sessions.store import EXPIRED, LOST, SessionStore

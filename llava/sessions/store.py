@@ -22,7 +22,6 @@ it lost.
 from __future__ import annotations
 
 import logging
-import secrets
 import threading
 import time
 from collections import OrderedDict
@@ -39,6 +38,7 @@ from llava.core.errors import (
     SessionLost,
     SessionNotFound,
 )
+from llava.core.ids import new_session_id
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +51,6 @@ _ENDED_ERRORS = {
     LOST: (SessionLost, "session {} was lost (its state could not be kept); open a new one"),
 }
 _TOMBSTONES = 65_536  # remembered ended ids, so a late request gets a precise error
-
-
-def new_session_id() -> str:
-    """Make an unguessable id (160 random bits) that fits SageMaker's session id pattern."""
-    return secrets.token_hex(20)
 
 
 @dataclass(eq=False)

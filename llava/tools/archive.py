@@ -16,11 +16,12 @@ import sys
 from pathlib import Path
 
 from llava.core.families import checkpoint_family
+from llava.core.paths import CHECKOUT
 from llava.tools.tiny.profiles import PROFILES
 
 log = logging.getLogger(__name__)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = CHECKOUT
 HANDLER = ROOT / "handler" / "llava_handler.py"
 MODEL_CONFIG = ROOT / "handler" / "model-config.yaml"
 BUILTIN_PROFILES = tuple(PROFILES)

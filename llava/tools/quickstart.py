@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-SAMPLE = Path(__file__).resolve().parent.parent / "examples" / "sample.png"
+from llava.core.paths import SAMPLE_IMAGE
 
 TEMPLATE = """
 LLaVA sessions on http://{host}:{port} (model '{name}'). In another terminal:
@@ -34,7 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080)
     args = parser.parse_args(argv)
-    print(TEMPLATE.format(host=args.host, port=args.port, name=args.name, sample=SAMPLE))
+    print(TEMPLATE.format(host=args.host, port=args.port, name=args.name, sample=SAMPLE_IMAGE))
 
 
 if __name__ == "__main__":

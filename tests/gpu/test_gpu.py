@@ -17,8 +17,9 @@ import torch
 from gpu_setting import Setting
 from helpers import Reference, data_uri, make_image, serve_rows
 
-from llava.api.session_api import SESSION_HEADER, GenerationParams
+from llava.api.headers import SESSION_HEADER
 from llava.core.config import ServerConfig
+from llava.core.params import GenerationParams
 from llava.engine import LlavaEngine, Tier
 from llava.fronts.torchserve.launcher import TorchServe
 from llava.server.service import SessionService

@@ -29,8 +29,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from llava.api.session_api import MAX_BODY_BYTES, NEW_SESSION, SESSION_HEADER
+from llava.api.headers import NEW_SESSION, SESSION_HEADER
 from llava.core.errors import ImageForbidden, InvalidRequest
+from llava.core.params import MAX_BODY_BYTES
 from llava.fronts.torchserve.launcher import TorchServe
 from llava.images import ImageLoader, ImagePolicy
 

@@ -23,7 +23,7 @@ import pytest
 from conftest import served
 from helpers import make_image
 
-from llava.api.session_api import SESSION_HEADER
+from llava.api.headers import SESSION_HEADER
 from llava.client import Session, SessionClient
 from llava.fronts.torchserve.launcher import TorchServe
 

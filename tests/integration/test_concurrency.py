@@ -13,7 +13,7 @@ import pytest
 from conftest import assert_no_worker_death, start_server
 from helpers import Reference, ask, data_uri, make_image, open_session, post
 
-from llava.api.session_api import SESSION_HEADER
+from llava.api.headers import SESSION_HEADER
 
 pytestmark = pytest.mark.integration
 

@@ -22,7 +22,7 @@ from conftest import assert_no_worker_death, served
 from helpers import ask, data_uri, make_image, open_session, post
 from PIL import Image
 
-from llava.api.session_api import SESSION_HEADER
+from llava.api.headers import SESSION_HEADER
 from llava.fronts.torchserve.launcher import TorchServe
 
 pytestmark = pytest.mark.integration

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from helpers import make_image, open_session, post
 
-from llava.api.session_api import SESSION_HEADER
+from llava.api.headers import SESSION_HEADER
 from llava.fronts.torchserve.launcher import TorchServe
 
 pytestmark = pytest.mark.integration

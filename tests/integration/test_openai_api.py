@@ -14,7 +14,7 @@ import openai
 import pytest
 from helpers import Reference, data_uri, make_image
 
-from llava.api.session_api import NEW_SESSION, NEW_SESSION_HEADER, SESSION_HEADER
+from llava.api.headers import NEW_SESSION, NEW_SESSION_HEADER, SESSION_HEADER
 
 pytestmark = pytest.mark.integration
 

@@ -23,7 +23,7 @@ import pytest
 from conftest import served
 from helpers import Reference, ask, data_uri, make_image, open_session, post
 
-from llava.api.session_api import SESSION_HEADER
+from llava.api.headers import SESSION_HEADER
 from llava.fronts.torchserve.launcher import TorchServe
 
 pytestmark = pytest.mark.integration

@@ -9,12 +9,7 @@ from datetime import datetime, timezone
 import pytest
 from helpers import Reference, ask, data_uri, make_image, open_session, post
 
-from llava.api.session_api import (
-    CLOSED_SESSION_HEADER,
-    NEW_SESSION,
-    NEW_SESSION_HEADER,
-    SESSION_HEADER,
-)
+from llava.api.headers import CLOSED_SESSION_HEADER, NEW_SESSION, NEW_SESSION_HEADER, SESSION_HEADER
 
 pytestmark = pytest.mark.integration
 

@@ -7,14 +7,10 @@ from typing import Any
 
 import pytest
 
-from llava.api.openai import (
-    ChatCompletion,
-    OpenAIReplies,
-    chat_info,
-    check_same_chat,
-    image_key,
-)
-from llava.api.session_api import NEW_SESSION, SESSION_HEADER, parse_request
+from llava.api.dispatch import parse_request
+from llava.api.headers import NEW_SESSION, SESSION_HEADER
+from llava.api.openai import ChatCompletion, chat_info, check_same_chat, image_key
+from llava.api.openai_replies import OpenAIReplies
 from llava.core.errors import InvalidRequest
 from llava.engine.decoding.sampling import visible_text
 

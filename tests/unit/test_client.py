@@ -15,7 +15,7 @@ from botocore.exceptions import ClientError, EventStreamError
 from botocore.response import StreamingBody
 from botocore.stub import Stubber
 
-from llava.api.session_api import CLOSED_SESSION_HEADER, NEW_SESSION, NEW_SESSION_HEADER
+from llava.api.headers import CLOSED_SESSION_HEADER, NEW_SESSION, NEW_SESSION_HEADER
 from llava.client import (
     MAX_INLINE_IMAGE_BYTES,
     Answer,

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 import yaml
 
-from llava.api.session_api import Limits
 from llava.core.config import DTYPES, ServerConfig
+from llava.core.params import Limits
 
 YAML = """
 handler:

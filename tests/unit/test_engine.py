@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from helpers import Reference, make_image
 
-from llava.api.session_api import GenerationParams
 from llava.core.config import ServerConfig
 from llava.core.errors import SessionExpired
+from llava.core.params import GenerationParams
 from llava.engine import LlavaEngine, Tier
 from llava.sessions.memory import TieredMemory
 from llava.sessions.store import SessionStore

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from helpers import Reference, make_image
 
-from llava.api.session_api import GenerationParams
 from llava.core.config import ServerConfig
 from llava.core.errors import InvalidRequest
+from llava.core.params import GenerationParams
 from llava.engine import LlavaEngine
 from llava.tools.tiny import build_checkpoint
 

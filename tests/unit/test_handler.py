@@ -11,15 +11,15 @@ from typing import Any
 
 import pytest
 
-from llava.api.replies import Reply
-from llava.api.session_api import (
+from llava.api.headers import (
     JSON_CONTENT_TYPE,
     NEW_SESSION_HEADER,
     SESSION_HEADER,
     STREAM_CONTENT_TYPE,
-    GenerationParams,
 )
+from llava.api.replies import Reply
 from llava.core.errors import ImageError
+from llava.core.params import GenerationParams
 from llava.fronts.torchserve.handler import SessionHandler, freeze_startup_objects
 from llava.server.service import SessionService
 from llava.sessions.store import SessionStore

@@ -14,25 +14,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llava.api.session_api import (
-    MAX_BODY_BYTES,
+from llava.api.dispatch import parse_request
+from llava.api.headers import (
     NEW_SESSION,
     SESSION_HEADER,
-    SESSION_ID_RE,
-    CloseSession,
-    Generate,
-    GenerationParams,
-    Limits,
-    OpenSession,
-    Query,
     expires_header,
     header,
-    is_valid_session_id,
     iso_utc,
-    parse_request,
     stream_line,
 )
+from llava.api.session_api import CloseSession, Generate, OpenSession, Query
 from llava.core.errors import InvalidRequest, KitError, PayloadTooLarge
+from llava.core.ids import SESSION_ID_RE, is_valid_session_id
+from llava.core.params import MAX_BODY_BYTES, GenerationParams, Limits
 
 SID = "abc-123"
 IMAGE = "https://example.com/cat.png"

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from llava.core.errors import SessionClosed, SessionLost, SessionNotFound
+from llava.core.ids import new_session_id
 from llava.fronts.torchserve.handler import open_registry
 from llava.sessions.registry import (
     ENV_DIR,
@@ -15,7 +16,7 @@ from llava.sessions.registry import (
     SessionRegistry,
     registry_path,
 )
-from llava.sessions.store import CLOSED, EXPIRED, LOST, SessionStore, new_session_id
+from llava.sessions.store import CLOSED, EXPIRED, LOST, SessionStore
 
 NOW = 1_700_000_000.0
 

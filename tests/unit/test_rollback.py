@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from helpers import Reference, make_image
 
-from llava.api.session_api import GenerationParams
 from llava.core.config import ServerConfig
 from llava.core.errors import InvalidRequest
+from llava.core.params import GenerationParams
 from llava.engine import LlavaEngine, Tier
 
 GREEDY = GenerationParams(max_new_tokens=8)

@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from llava.api.session_api import is_valid_session_id
+from llava.core.ids import is_valid_session_id, new_session_id
 from llava.fronts.torchserve.launcher import TorchServe
-from llava.sessions.store import new_session_id
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "llava"

@@ -11,17 +11,17 @@ from typing import Any
 
 import pytest
 
-from llava.api.replies import Reply
-from llava.api.session_api import (
+from llava.api.headers import (
     CLOSED_SESSION_HEADER,
     JSON_CONTENT_TYPE,
     NEW_SESSION_HEADER,
     SESSION_HEADER,
     STREAM_CONTENT_TYPE,
-    GenerationParams,
     iso_utc,
 )
+from llava.api.replies import Reply
 from llava.core.errors import ImageError, InvalidRequest
+from llava.core.params import GenerationParams
 from llava.server.service import Incoming, SessionService
 from llava.sessions.store import SessionStore
 

@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 
-from llava.api.session_api import SESSION_ID_RE, is_valid_session_id
 from llava.core.errors import (
     CapacityExceeded,
     SessionBusy,
@@ -16,7 +15,8 @@ from llava.core.errors import (
     SessionExpired,
     SessionNotFound,
 )
-from llava.sessions.store import Session, SessionStore, new_session_id
+from llava.core.ids import SESSION_ID_RE, is_valid_session_id, new_session_id
+from llava.sessions.store import Session, SessionStore
 
 TTL = 60.0
 WALL0 = 1_700_000_000.0

@@ -14,11 +14,12 @@ from typing import Any
 import pytest
 from helpers import Reference, make_image
 
-from llava.api.session_api import GenerationParams
 from llava.core.config import ServerConfig
+from llava.core.ids import new_session_id
+from llava.core.params import GenerationParams
 from llava.engine import LlavaEngine, Tier
 from llava.sessions.snapshots import SUFFIX, CorruptSnapshot, SnapshotDir, recover
-from llava.sessions.store import SessionStore, new_session_id
+from llava.sessions.store import SessionStore
 
 GREEDY = GenerationParams(max_new_tokens=8)
 PROMPTS = ["What is this?", "Which colors do you see?", "Is it big?"]

@@ -17,8 +17,8 @@ import pytest
 import torch
 from helpers import Reference, make_image, serve_rows
 
-from llava.api.session_api import GenerationParams
 from llava.core.config import ServerConfig
+from llava.core.params import GenerationParams
 from llava.engine import LlavaEngine, Tier
 from llava.engine.scheduling.scheduler import IDLE_FACTOR
 from llava.server.service import SessionService

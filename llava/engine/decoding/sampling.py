@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from llava.api.session_api import GenerationParams
+from llava.core.params import GenerationParams
 
 
 def make_generator(params: GenerationParams, device: torch.device) -> torch.Generator | None:

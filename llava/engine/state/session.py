@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from llava.api.session_api import GenerationParams
+from llava.core.params import GenerationParams
 from llava.engine.decoding.sampling import Detokenizer
 from llava.engine.model.cache import cache_tensors
 from llava.engine.state.chat import Exchange

@@ -47,15 +47,10 @@ from urllib.parse import unquote, urlsplit
 
 import httpx
 
-from llava.api.session_api import (
-    CLOSED_SESSION_HEADER,
-    MAX_BODY_BYTES,
-    NEW_SESSION,
-    NEW_SESSION_HEADER,
-    SESSION_HEADER,
-    SESSION_ID_MAX_LEN,
-    SESSION_ID_RE,
-)
+from llava.api.headers import CLOSED_SESSION_HEADER, NEW_SESSION, NEW_SESSION_HEADER, SESSION_HEADER
+from llava.core.ids import SESSION_ID_MAX_LEN, SESSION_ID_RE
+from llava.core.params import MAX_BODY_BYTES
+from llava.core.paths import SAMPLE_IMAGE
 
 log = logging.getLogger(__name__)
 
@@ -603,7 +598,7 @@ def serve(
                 future.result()
         runtime = LocalRuntime([ts.url() for ts in servers], name=name, host=host, port=port)
         runtime.start()
-        sample = Path(__file__).resolve().parent.parent / "examples" / "sample.png"
+        sample = SAMPLE_IMAGE
         print(
             BANNER.format(
                 name=name,

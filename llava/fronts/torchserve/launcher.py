@@ -21,7 +21,9 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
+from llava.core.paths import CHECKOUT
+
+ROOT = CHECKOUT
 
 
 _HANDED_OUT: set[int] = set()

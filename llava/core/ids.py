@@ -1,0 +1,20 @@
+"""Session ids: made unguessable, checked against SageMaker's pattern (also safe as file names)."""
+
+from __future__ import annotations
+
+import re
+import secrets
+
+SESSION_ID_RE = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9])*$")
+
+SESSION_ID_MAX_LEN = 256
+
+
+def is_valid_session_id(sid: str) -> bool:
+    """Tell whether `sid` matches SageMaker's session id pattern."""
+    return len(sid) <= SESSION_ID_MAX_LEN and SESSION_ID_RE.fullmatch(sid) is not None
+
+
+def new_session_id() -> str:
+    """Make an unguessable id (160 random bits) that fits SageMaker's session id pattern."""
+    return secrets.token_hex(20)
