@@ -24,7 +24,7 @@ def _build_tiny(args: argparse.Namespace) -> None:
 
 
 def _local_endpoint(args: argparse.Namespace) -> None:
-    from llava.fronts.local_runtime.server import serve
+    from llava.fronts.local_runtime.cli import serve
 
     serve(
         host=args.host,

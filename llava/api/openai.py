@@ -20,6 +20,7 @@ from typing import Any
 
 from llava.api.fields import flag_field, number_field
 from llava.api.headers import NEW_SESSION, SESSION_HEADER, header
+from llava.api.session_api import Generate
 from llava.core.errors import InvalidRequest
 from llava.core.ids import is_valid_session_id
 from llava.core.params import GenerationParams, Limits
@@ -78,6 +79,17 @@ class ChatCompletion:
     def image_key(self) -> str:
         """Identify the image reference, to check a session is asked about its own image."""
         return image_key(self.image)
+
+    def as_generate(self) -> Generate:
+        """Return the one-shot request this chat is when it names no session."""
+        return Generate(
+            image=self.image,
+            prompt=self.prompt,
+            system_prompt=self.system_prompt,
+            history=self.history,
+            params=self.params,
+            stream=self.stream,
+        )
 
 
 def image_key(ref: str) -> str:

@@ -29,69 +29,30 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import DynamicCache
 
 from llava.core.config import ServerConfig
 from llava.core.errors import InvalidRequest
-from llava.core.families import check_model_type, checkpoint_family
+from llava.core.families import checkpoint_family
 from llava.core.params import GenerationParams
-from llava.engine.decoding.decoder import Decoder
+from llava.core.tiers import Tier
 from llava.engine.decoding.sampling import Detokenizer, make_generator
 from llava.engine.model.cache import crop_to
-from llava.engine.model.forward import forward
 from llava.engine.model.loading import load_model, load_processor, resolve_devices
-from llava.engine.model.packed import enable_packing
-from llava.engine.model.vision import image_token_id, tower_ratio, vision_part
+from llava.engine.runner import ModelRunner
 from llava.engine.scheduling.calibrate import calibrate
-from llava.engine.scheduling.pacing import StepCosts, StepPacer
 from llava.engine.selfcheck import self_check
 from llava.engine.state import snapshot, tiers
-from llava.engine.state.chat import ChatFormatter, Exchange, common_prefix
-from llava.engine.state.imageset import EMPTY, ImageEncoder, ImagePreparer, ImageSet, PreparedImages
-from llava.engine.state.session import Replica, SessionState, Tier, Turn
+from llava.engine.state.chat import Exchange, common_prefix
+from llava.engine.state.imageset import EMPTY, ImagePreparer, ImageSet, PreparedImages
+from llava.engine.state.session import Replica, SessionState, Turn
 from llava.engine.stepping import run_step
-
-DEFAULT_STEP_BUDGET = 256  # tokens per step for engines built without `load` (not calibrated)
 
 
 class LlavaEngine:
     """Run LLaVA sessions: open, answer step by step, move state between memory tiers."""
 
     def __init__(self, processor: Any, replicas: list[Replica], config: ServerConfig) -> None:
-        self.processor = processor
-        self.tokenizer = processor.tokenizer
-        self.replicas = replicas
-        self.config = config
-        self.chat = ChatFormatter(processor)
-        model = replicas[0].model
-        self.image_token_id = image_token_id(model)
-        text_config = model.config.get_text_config()
-        family = check_model_type(model.config.model_type, "the loaded model")
-        self.images = ImageEncoder(
-            processor,
-            self.image_token_id,
-            keep_pixels=config.cache_mode != "kv",
-            joint=family.joint_images,
-            multi_image=family.multi_image(text_config.model_type),
-            max_images=config.max_images_per_session,
-            # On the CPU the image processes run the tower as well: the same cores, but off
-            # the step loop, which then never holds a stream for a tower run.
-            vision=vision_part(model) if self._tower_in_preparer(config, replicas) else None,
-        )
-        self.max_context = config.max_context_tokens or text_config.max_position_embeddings
-        self.num_layers = text_config.num_hidden_layers
-        eos = model.generation_config.eos_token_id
-        if eos is None:
-            eos = self.tokenizer.eos_token_id
-        self.eos_ids = set(eos if isinstance(eos, list) else [eos])
-        self.decoder = Decoder(replicas, self.forward, self.eos_ids)
-        # A step's chunks and decodes share one forward per replica where the model allows it.
-        self.packs = all([enable_packing(r.model) for r in replicas])
-        # A configured budget counts tokens only, the tower costed by parameter counts; `load`
-        # calibrates a pacer instead when the budget is left to it (step_token_budget: 0).
-        budget = config.step_token_budget or DEFAULT_STEP_BUDGET
-        self.fixed_costs = StepCosts(budget, tower_ratio(model), 0, 0)
-        self.pacer: StepPacer | None = None
+        self.runner = ModelRunner(processor, replicas, config)
         self.fingerprint = ""  # the checkpoint's identity, for snapshots (set by `load`)
 
     @classmethod
@@ -103,43 +64,35 @@ class LlavaEngine:
         replicas = [Replica(load_model(model_dir, d, config), d) for d in resolve_devices(config)]
         engine = cls(processor, replicas, config)
         engine.fingerprint = snapshot.model_fingerprint(model_dir)
-        engine.self_check()
+        self_check(engine.runner)
         if not config.step_token_budget:  # 0: size it from this machine's speed, and follow it
-            engine.pacer = calibrate(engine)
+            engine.runner.pacer = calibrate(engine.runner)
         return engine
-
-    @staticmethod
-    def _tower_in_preparer(config: ServerConfig, replicas: list[Replica]) -> bool:
-        """Tell whether image processes run the vision tower: a CPU model caching KV."""
-        on_cpu = all(r.device.type == "cpu" for r in replicas)
-        return on_cpu and config.cache_mode == "kv" and config.image_processes > 0
-
-    @property
-    def keeps_kv(self) -> bool:
-        return self.config.cache_mode == "kv"
 
     # -- sessions --------------------------------------------------------------------------
     def image_preparer(self) -> ImagePreparer:
         """Return what runs the processor on an image: servers run it in their image processes
         (it is picklable) or threads, never on the step loop."""
-        return self.images.preparer
+        return self.runner.images.preparer
 
     def earlier_images(self, state: SessionState) -> list[Any]:
         """Return the images an image added to `state`'s conversation is processed with."""
-        return self.images.earlier(state.images)
+        return self.runner.images.earlier(state.images)
 
     def prepare(self, image: Any, state: SessionState | None = None) -> PreparedImages:
         """Run the processor on a new image (for `state`'s conversation, if it joins one)."""
-        return self.images.prepare(image, state.images if state is not None else None)
+        return self.runner.images.prepare(image, state.images if state is not None else None)
 
     def new_session(self, image: PreparedImages, system_prompt: str | None = None) -> SessionState:
         """Make a session's state from a prepared image; nothing is computed yet."""
         self._refuse_placeholder(system_prompt, "system_prompt")
-        replica = min(self.replicas, key=lambda r: r.sessions)
-        images = self.images.start(image, replica.device)
-        prefix = self.chat.tokenize(self.chat.prefix_text(system_prompt), images.tokens)
+        replica = min(self.runner.replicas, key=lambda r: r.sessions)
+        images = self.runner.images.start(image, replica.device)
+        prefix = self.runner.chat.tokenize(
+            self.runner.chat.prefix_text(system_prompt), images.tokens
+        )
         state = SessionState(replica, system_prompt, images, prefix)
-        state.tier = Tier.FEATURES if self.keeps_kv else Tier.DEVICE
+        state.tier = Tier.FEATURES if self.runner.keeps_kv else Tier.DEVICE
         replica.sessions += 1
         return state
 
@@ -154,7 +107,7 @@ class LlavaEngine:
             state, "", GenerationParams(), state.prefix_ids, [], state.images, 0, 0
         )
         turn.opening = True
-        if not self.keeps_kv:
+        if not self.runner.keeps_kv:
             turn.done = True
         return turn
 
@@ -195,14 +148,14 @@ class LlavaEngine:
     def snapshot(self, state: SessionState, extra: dict[str, Any]) -> Callable[[], bytes] | None:
         """Capture what rebuilds a session (None in pixels mode, which keeps no features);
         the returned call serialises it, on any thread."""
-        if not self.keeps_kv:
+        if not self.runner.keeps_kv:
             return None
         return snapshot.capture(state, self.fingerprint, extra)
 
     def resume(self, data: bytes) -> tuple[SessionState, dict[str, Any]]:
         """Rebuild a session from its snapshot, in the FEATURES tier; ValueError if it is not
         a snapshot of this model."""
-        replica = min(self.replicas, key=lambda r: r.sessions)
+        replica = min(self.runner.replicas, key=lambda r: r.sessions)
         state, extra = snapshot.restore(data, self.fingerprint, replica)
         replica.sessions += 1
         return state, extra
@@ -234,36 +187,37 @@ class LlavaEngine:
         `conversation` replaces the session's earlier turns with the client's (a client that
         re-sends the whole chat): the cache is kept for as long as they agree.
         """
+        runner = self.runner
         self._refuse_placeholder(prompt, "prompt")
         for question, _ in conversation or []:
             self._refuse_placeholder(question, "messages")
-        prompt_tokens = self.chat.count_tokens(prompt)
-        if prompt_tokens > self.config.max_prompt_tokens:
+        prompt_tokens = runner.chat.count_tokens(prompt)
+        if prompt_tokens > runner.config.max_prompt_tokens:
             raise InvalidRequest(
-                f"prompt is {prompt_tokens} tokens, the limit is {self.config.max_prompt_tokens}",
+                f"prompt is {prompt_tokens} tokens, the limit is {runner.config.max_prompt_tokens}",
                 field="prompt",
             )
         if image is not None and not isinstance(image, PreparedImages):  # in-process callers
             image = self.prepare(image, state)
-        images, reencoded = self.images.for_turn(
+        images, reencoded = runner.images.for_turn(
             state.images, image, history and conversation is None
         )
         added = 0 if image is None else 1
         past = state.history if history else []
         if conversation is not None:
             past = [Exchange(question, answer) for question, answer in conversation]
-        text = self.chat.render(self.chat.messages(state.system_prompt, past, prompt, added))
-        ids = self.chat.tokenize(text, images.tokens)
-        room = self.max_context - len(ids)
+        text = runner.chat.render(runner.chat.messages(state.system_prompt, past, prompt, added))
+        ids = runner.chat.tokenize(text, images.tokens)
+        room = runner.max_context - len(ids)
         if room < 1:
             raise InvalidRequest(
-                f"the conversation has reached the model's {self.max_context}-token context; "
+                f"the conversation has reached the model's {runner.max_context}-token context; "
                 'open a new session or ask with "history": false',
                 field="prompt",
             )
-        common = min(common_prefix(state.cache_ids, ids), len(ids) - 1) if self.keeps_kv else 0
+        common = min(common_prefix(state.cache_ids, ids), len(ids) - 1) if runner.keeps_kv else 0
         if reencoded:  # the image tokens match but their features changed: recompute them
-            common = min(common, ids.index(self.image_token_id))
+            common = min(common, ids.index(runner.image_token_id))
         turn = self._new_turn(state, prompt, params, ids, past, images, common, added, history)
         turn.max_new_tokens = min(params.max_new_tokens, room)
         return turn
@@ -281,8 +235,10 @@ class LlavaEngine:
         history: bool = True,
     ) -> Turn:
         """Bring the session's cache back, keep its first `common` ids and plan the rest."""
-        cache, found = tiers.for_turn(state, common, self.num_layers, self.keeps_kv, history)
-        tower = self.images.pending_tokens(images)
+        cache, found = tiers.for_turn(
+            state, common, self.runner.num_layers, self.runner.keeps_kv, history
+        )
+        tower = self.runner.images.pending_tokens(images)
         if images.processed is not None:  # pixels mode: the tower runs for every answer
             tower = images.processed.total
         return Turn(
@@ -299,7 +255,7 @@ class LlavaEngine:
             fed=ids[:common],
             pending=ids[common:],
             max_new_tokens=0,
-            detokenizer=Detokenizer(self.tokenizer),
+            detokenizer=Detokenizer(self.runner.tokenizer),
             generator=make_generator(params, state.replica.device),
             found_in=found,
             prefill_tokens=len(ids) - common,
@@ -312,28 +268,16 @@ class LlavaEngine:
         """Run this step's share of every turn, as the scheduler plans it (`stepping.py`);
         return errors by position. A failing piece fails its own turn only, and leaves its
         cache as it was."""
-        return run_step(self, turns)
-
-    def forward(
-        self,
-        replica: Replica,
-        cache: DynamicCache,
-        ids: list[int],
-        features: torch.Tensor | None,
-        offset: int,
-    ) -> torch.Tensor:
-        """Feed ids (image tokens from `features[offset:]`); return the last logits row
-        (transactional: a forward that fails cuts every layer of the cache back)."""
-        return forward(replica.model, cache, ids, self.image_token_id, features, offset)
+        return run_step(self.runner, turns)
 
     @torch.inference_mode()
     def finish_turn(self, turn: Turn) -> None:
         """Commit a finished answer to the session's main line (branches leave no trace)."""
-        self.decoder.detach(turn)
+        self.runner.decoder.detach(turn)
         if turn.branch:
             return
         state = turn.state
-        if self.keeps_kv:
+        if self.runner.keeps_kv:
             state.cache_ids = turn.fed
         state.images = turn.images
         if not turn.opening:  # an open adds no exchange
@@ -342,12 +286,12 @@ class LlavaEngine:
     @torch.inference_mode()
     def rollback(self, state: SessionState) -> int:
         """Undo the last question and answer; return the questions left (see tiers.rollback)."""
-        return tiers.rollback(state, self.chat)
+        return tiers.rollback(state, self.runner.chat)
 
     @torch.inference_mode()
     def abort_turn(self, turn: Turn) -> None:
         """Drop an unfinished answer and roll the session's cache back to before it."""
-        self.decoder.detach(turn)
+        self.runner.decoder.detach(turn)
         if turn.branch or turn.cache is not turn.state.cache:
             return
         crop_to(turn.cache, turn.start_len)
@@ -361,18 +305,15 @@ class LlavaEngine:
     @torch.inference_mode()
     def free_memory(self) -> None:
         """Unstack the decode batches and hand the allocator's cached blocks back."""
-        self.decoder.split_all()
-        if any(r.device.type == "cuda" for r in self.replicas):
+        self.runner.decoder.split_all()
+        if any(r.device.type == "cuda" for r in self.runner.replicas):
             torch.cuda.empty_cache()
 
-    def self_check(self) -> None:
-        """Prove at start that this transformers takes what the engine passes (see selfcheck)."""
-        self_check(self)
-
     def _refuse_placeholder(self, text: str | None, field: str) -> None:
-        if text and self.chat.image_token in text:
+        token = self.runner.chat.image_token
+        if text and token in text:
             raise InvalidRequest(
-                f"{field} contains the model's image placeholder {self.chat.image_token!r}; "
+                f"{field} contains the model's image placeholder {token!r}; "
                 "send images in the image field",
                 field=field,
             )

@@ -19,23 +19,23 @@ from llava.engine.model.packed import Piece, packed_forward
 from llava.engine.model.vision import image_features, model_inputs, process_images
 
 if TYPE_CHECKING:
-    from llava.engine.engine import LlavaEngine
+    from llava.engine.runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
 
 @torch.inference_mode()
-def self_check(engine: LlavaEngine) -> None:
+def self_check(runner: ModelRunner) -> None:
     """Fail, naming the transformers version, if the engine's forward differs from the model's."""
     from PIL import Image
 
-    replica = engine.replicas[0]
+    replica = runner.replicas[0]
     image = Image.new("RGB", (40, 30), (120, 60, 200))
     try:
-        processed = process_images(engine.processor, [image], engine.image_token_id)
-        ids = engine.chat.tokenize(engine.chat.prefix_text(None), processed.tokens)
+        processed = process_images(runner.processor, [image], runner.image_token_id)
+        ids = runner.chat.tokenize(runner.chat.prefix_text(None), processed.tokens)
         features = image_features(replica.model, processed, replica.device)
-        ours = engine.forward(replica, new_cache(engine.num_layers), ids, features, 0)
+        ours = runner.forward(replica, new_cache(runner.num_layers), ids, features, 0)
         theirs = replica.model(
             input_ids=torch.tensor([ids], device=replica.device),
             logits_to_keep=1,
@@ -51,8 +51,8 @@ def self_check(engine: LlavaEngine) -> None:
             f"transformers {transformers_version()} answers differently when the engine "
             "passes image features itself; install the version range in pyproject.toml"
         )
-    if engine.packs and not _packs_alike(engine, ids, features):
-        engine.packs = False
+    if runner.packs and not _packs_alike(runner, ids, features):
+        runner.packs = False
         log.warning(
             "transformers %s answers differently when a step's pieces share one forward: "
             "each prefill chunk runs a forward of its own (slower steps beside streams)",
@@ -66,25 +66,25 @@ def _close(ours: torch.Tensor, theirs: torch.Tensor, dtype: torch.dtype) -> bool
     return float((ours.float() - theirs.float()).abs().max()) <= tolerance * scale
 
 
-def _packs_alike(engine: LlavaEngine, ids: list[int], features: torch.Tensor) -> bool:
+def _packs_alike(runner: ModelRunner, ids: list[int], features: torch.Tensor) -> bool:
     """Compare a packed forward (a decode beside a chunk with image tokens) with each piece's
     own forward: what the packing attention gives this transformers' models."""
-    replica = engine.replicas[0]
+    replica = runner.replicas[0]
     split = len(ids) // 2
-    caches = [new_cache(engine.num_layers) for _ in range(4)]
+    caches = [new_cache(runner.num_layers) for _ in range(4)]
     for cache in caches:  # the same first half, so each piece has a cache to extend
-        engine.forward(replica, cache, ids[:split], features, 0)
-    offset = sum(1 for i in ids[:split] if i == engine.image_token_id)
-    token = next(i for i in reversed(ids) if i != engine.image_token_id)
+        runner.forward(replica, cache, ids[:split], features, 0)
+    offset = sum(1 for i in ids[:split] if i == runner.image_token_id)
+    token = next(i for i in reversed(ids) if i != runner.image_token_id)
     alone = [
-        engine.forward(replica, caches[0], [token], features, 0),
-        engine.forward(replica, caches[1], ids[split:], features, offset),
+        runner.forward(replica, caches[0], [token], features, 0),
+        runner.forward(replica, caches[1], ids[split:], features, offset),
     ]
     try:
         packed = packed_forward(
             replica.model,
             [Piece(caches[2], [token]), Piece(caches[3], ids[split:], features, offset)],
-            engine.image_token_id,
+            runner.image_token_id,
         )
     except Exception:
         log.warning("a packed forward failed", exc_info=True)

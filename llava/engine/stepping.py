@@ -23,71 +23,71 @@ from llava.engine.scheduling.scheduler import Pending, plan_step
 from llava.engine.state.session import Turn
 
 if TYPE_CHECKING:
-    from llava.engine.engine import LlavaEngine
+    from llava.engine.runner import ModelRunner
 
 
 @torch.inference_mode()
-def run_step(engine: LlavaEngine, turns: list[Turn]) -> dict[int, BaseException]:
+def run_step(runner: ModelRunner, turns: list[Turn]) -> dict[int, BaseException]:
     """Run one step over `turns`; return each failure by position."""
-    costs = engine.pacer.costs() if engine.pacer is not None else engine.fixed_costs
+    costs = runner.pacer.costs() if runner.pacer is not None else runner.fixed_costs
     work = [_pending(i, t, costs.tower_ratio) for i, t in enumerate(turns) if not t.done]
-    rider = costs.rider_cost if engine.packs else None
+    rider = costs.rider_cost if runner.packs else None
     plan = plan_step(work, costs.budget, costs.forward_cost, rider)
     tower_tokens = sum(turns[i].tower_tokens for i in plan.encode)
     errors: dict[int, BaseException] = {}
-    started = _clock(engine)
+    started = _clock(runner)
     for i in plan.encode:
         try:
-            _encode(engine, turns[i])
+            _encode(runner, turns[i])
         except Exception as exc:  # one failing answer must not fail the others
             errors[i] = exc
-    encoded = _clock(engine) if plan.encode else started
+    encoded = _clock(runner) if plan.encode else started
     if rider is not None and plan.prefill:  # one forward per replica: its time is the chunks'
-        for replica_idx, positions in _by_replica(engine, turns, [*plan.prefill, *plan.decode]):
-            errors.update(_packed(engine, replica_idx, turns, plan.prefill, positions))
-        prefilled = _clock(engine)
+        for replica_idx, positions in _by_replica(runner, turns, [*plan.prefill, *plan.decode]):
+            errors.update(_packed(runner, replica_idx, turns, plan.prefill, positions))
+        prefilled = _clock(runner)
     else:
-        errors.update(_unpacked(engine, turns, plan.prefill, []))
-        prefilled = _clock(engine) if plan.prefill else encoded
-        errors.update(_unpacked(engine, turns, {}, plan.decode))
-    if engine.pacer is not None and not errors:  # a failed piece's time says nothing
-        engine.pacer.observe(
+        errors.update(_unpacked(runner, turns, plan.prefill, []))
+        prefilled = _clock(runner) if plan.prefill else encoded
+        errors.update(_unpacked(runner, turns, {}, plan.decode))
+    if runner.pacer is not None and not errors:  # a failed piece's time says nothing
+        runner.pacer.observe(
             plan,
             tower_tokens,
             tower_s=encoded - started,
             prefill_s=prefilled - encoded,
-            decode_s=_clock(engine) - prefilled,
+            decode_s=_clock(runner) - prefilled,
         )
     return errors
 
 
 def _by_replica(
-    engine: LlavaEngine, turns: list[Turn], positions: list[int]
+    runner: ModelRunner, turns: list[Turn], positions: list[int]
 ) -> list[tuple[int, list[int]]]:
     """Group turn positions by the replica their session lives on."""
     groups: dict[int, list[int]] = {}
     for i in positions:
-        groups.setdefault(engine.replicas.index(turns[i].state.replica), []).append(i)
+        groups.setdefault(runner.replicas.index(turns[i].state.replica), []).append(i)
     return list(groups.items())
 
 
 def _unpacked(
-    engine: LlavaEngine, turns: list[Turn], chunks: dict[int, int], decodes: list[int]
+    runner: ModelRunner, turns: list[Turn], chunks: dict[int, int], decodes: list[int]
 ) -> dict[int, BaseException]:
     """Run each chunk in a forward of its own, then the decodes stacked per replica."""
     errors: dict[int, BaseException] = {}
     for i, tokens in chunks.items():
         try:
-            _prefill(engine, turns[i], tokens)
+            _prefill(runner, turns[i], tokens)
         except Exception as exc:
             errors[i] = exc
-    for replica_idx, positions in _by_replica(engine, turns, decodes):
-        errors.update(engine.decoder.decode(replica_idx, [(i, turns[i]) for i in positions]))
+    for replica_idx, positions in _by_replica(runner, turns, decodes):
+        errors.update(runner.decoder.decode(replica_idx, [(i, turns[i]) for i in positions]))
     return errors
 
 
 def _packed(
-    engine: LlavaEngine,
+    runner: ModelRunner,
     replica_idx: int,
     turns: list[Turn],
     chunks: dict[int, int],
@@ -97,32 +97,32 @@ def _packed(
     mine = {i: n for i, n in chunks.items() if i in positions}
     decodes = [i for i in positions if i not in mine]
     if len(positions) == 1:  # nothing to pack with
-        return _unpacked(engine, turns, mine, decodes)
+        return _unpacked(runner, turns, mine, decodes)
     decoding = [turns[i] for i in decodes]
     batch = None
     try:
-        pieces = [_piece(engine, turns[i], n) for i, n in mine.items()]
+        pieces = [_piece(runner, turns[i], n) for i, n in mine.items()]
         if len(decoding) > 1:  # their stacked cache, as one piece
-            batch = engine.decoder.batch_for(replica_idx, decoding)
+            batch = runner.decoder.batch_for(replica_idx, decoding)
             pieces.append(batch.piece())
         elif decoding:
-            engine.decoder.split(replica_idx)
-            pieces.append(_piece(engine, decoding[0], None))
-        logits = packed_forward(engine.replicas[replica_idx].model, pieces, engine.image_token_id)
+            runner.decoder.split(replica_idx)
+            pieces.append(_piece(runner, decoding[0], None))
+        logits = packed_forward(runner.replicas[replica_idx].model, pieces, runner.image_token_id)
     except Exception:  # every cache is as it was: run each piece alone, so only a culprit fails
-        return _unpacked(engine, turns, mine, decodes)
+        return _unpacked(runner, turns, mine, decodes)
     errors: dict[int, BaseException] = {}
     for row, (i, tokens) in enumerate(mine.items()):
         turn = turns[i]
         try:
             token = _sample(turn, logits[row], tokens) if _samples(turn, tokens) else None
-            _chunk_fed(engine, turn, turn.pending[:tokens], token)
+            _chunk_fed(runner, turn, turn.pending[:tokens], token)
         except Exception as exc:
             errors[i] = exc
     rows = logits[len(mine) :]
     if batch is not None:
         batch.advance()
-        engine.decoder.accept_rows(decoding, rows)
+        runner.decoder.accept_rows(decoding, rows)
     elif decoding:
         turn = decoding[0]
         try:
@@ -131,15 +131,15 @@ def _packed(
             errors[decodes[0]] = exc
         else:
             turn.fed = turn.fed + turn.pending
-            engine.decoder.accept(turn, token)
+            runner.decoder.accept(turn, token)
     return errors
 
 
-def _piece(engine: LlavaEngine, turn: Turn, tokens: int | None) -> Piece:
+def _piece(runner: ModelRunner, turn: Turn, tokens: int | None) -> Piece:
     """A turn's share of a packed forward: its next chunk, or its pending token."""
     if tokens is None:
         return Piece(turn.cache, turn.pending)
-    offset = sum(1 for i in turn.fed if i == engine.image_token_id)
+    offset = sum(1 for i in turn.fed if i == runner.image_token_id)
     return Piece(turn.cache, turn.pending[:tokens], turn.features, offset)
 
 
@@ -152,10 +152,10 @@ def _sample(turn: Turn, logits: torch.Tensor, fed: int) -> int:
         raise
 
 
-def _clock(engine: LlavaEngine) -> float:
+def _clock(runner: ModelRunner) -> float:
     """Read the time once the devices are done (GPU work is asynchronous), for the pacer."""
-    if engine.pacer is not None:
-        for replica in engine.replicas:
+    if runner.pacer is not None:
+        for replica in runner.replicas:
             if replica.device.type == "cuda":
                 torch.cuda.synchronize(replica.device)
     return time.perf_counter()
@@ -172,21 +172,21 @@ def _pending(index: int, turn: Turn, tower_ratio: float) -> Pending:
     )
 
 
-def _encode(engine: LlavaEngine, turn: Turn) -> None:
+def _encode(runner: ModelRunner, turn: Turn) -> None:
     """Run the vision tower over the turn's new images (all of them, in pixels mode)."""
     replica = turn.state.replica
     if turn.images.pending is not None:
-        turn.images = engine.images.encode_pending(replica.model, replica.device, turn.images)
-    turn.features = engine.images.features(replica.model, replica.device, turn.images)
+        turn.images = runner.images.encode_pending(replica.model, replica.device, turn.images)
+    turn.features = runner.images.features(replica.model, replica.device, turn.images)
     turn.tower_tokens = 0
 
 
-def _prefill(engine: LlavaEngine, turn: Turn, tokens: int) -> None:
+def _prefill(runner: ModelRunner, turn: Turn, tokens: int) -> None:
     """Feed the next `tokens` pending ids; after the last chunk, choose the first token."""
-    piece = _piece(engine, turn, tokens)
+    piece = _piece(runner, turn, tokens)
     sample = _samples(turn, tokens)
-    token = engine.decoder.feed(turn, piece.ids, piece.features, piece.offset, sample=sample)
-    _chunk_fed(engine, turn, piece.ids, token)
+    token = runner.decoder.feed(turn, piece.ids, piece.features, piece.offset, sample=sample)
+    _chunk_fed(runner, turn, piece.ids, token)
 
 
 def _samples(turn: Turn, tokens: int) -> bool:
@@ -194,7 +194,7 @@ def _samples(turn: Turn, tokens: int) -> bool:
     return tokens == len(turn.pending) and not turn.opening
 
 
-def _chunk_fed(engine: LlavaEngine, turn: Turn, chunk: list[int], token: int | None) -> None:
+def _chunk_fed(runner: ModelRunner, turn: Turn, chunk: list[int], token: int | None) -> None:
     """Record a fed chunk; after the last, the first token (`token`), or an open's end."""
     turn.fed, turn.pending = turn.fed + chunk, turn.pending[len(chunk) :]
     if turn.pending:
@@ -203,4 +203,4 @@ def _chunk_fed(engine: LlavaEngine, turn: Turn, chunk: list[int], token: int | N
     if token is None:  # an open: its prefix is cached, nothing to generate
         turn.done, turn.finished_at = True, turn.first_token_at
         return
-    engine.decoder.accept(turn, token)
+    runner.decoder.accept(turn, token)

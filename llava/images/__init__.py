@@ -19,9 +19,9 @@ This layer is pure: no torch or transformers; boto3 is imported only when s3:// 
 
 from __future__ import annotations
 
-from llava.images.decode import _to_rgb as _to_rgb
+from llava.images.decode import to_rgb
 from llava.images.loader import ImageLoader
 from llava.images.policy import ImagePolicy, check_address
 from llava.images.refs import describe_ref
 
-__all__ = ["ImageLoader", "ImagePolicy", "check_address", "describe_ref"]
+__all__ = ["ImageLoader", "ImagePolicy", "check_address", "describe_ref", "to_rgb"]

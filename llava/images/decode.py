@@ -12,7 +12,7 @@ from PIL import Image, ImageOps
 
 from llava.core.errors import ImageError, ImageTooLarge, KitError
 from llava.images.inline import read_inline
-from llava.images.refs import _clean
+from llava.images.refs import clean_text
 
 # Formats worth accepting from strangers; Pillow's exotic plugins (EPS shells out to
 # Ghostscript, others are rarely exercised) stay out of reach.
@@ -87,7 +87,7 @@ def _to_8bit(img: Image.Image) -> Image.Image:
     return wide.point(lambda v: v * scale + offset).convert("L")
 
 
-def _to_rgb(img: Image.Image) -> Image.Image:
+def to_rgb(img: Image.Image) -> Image.Image:
     """Convert any Pillow mode to RGB, compositing transparency onto white."""
     if img.mode.startswith("I;16") or img.mode in ("I", "F"):
         img = _to_8bit(img)
@@ -128,10 +128,10 @@ def _decode_rgb(data: bytes, max_pixels: int) -> Image.Image:
     """Decode image bytes into an upright, fully loaded RGB image."""
     img = _parse(data, max_pixels)
     try:
-        rgb = _to_rgb(_upright(img))
+        rgb = to_rgb(_upright(img))
     except (ValueError, OSError):  # Pillow's "conversion not supported" and friends
         raise ImageError(
-            f"image color mode {_clean(img.mode, 12)!r} is not supported; save the image as "
+            f"image color mode {clean_text(img.mode, 12)!r} is not supported; save the image as "
             "RGB (or grayscale) PNG/JPEG and send it again"
         ) from None
     rgb.load()

@@ -12,10 +12,10 @@ import httpcore
 import httpx
 
 from llava.core.errors import ImageFetchError, ImageForbidden, InvalidRequest
-from llava.images.limits import _CHUNK, _read_limited, _too_many_bytes
-from llava.images.policy import ImagePolicy, _host_allow_listed, _parse_ip, _vet_address
-from llava.images.refs import _HINT, _clean, describe_ref
-from llava.images.resolve import Resolver, _resolve
+from llava.images.limits import READ_CHUNK, read_limited, too_many_bytes
+from llava.images.policy import ImagePolicy, host_allow_listed, parse_ip, vet_address
+from llava.images.refs import INLINE_HINT, clean_text, describe_ref
+from llava.images.resolve import Resolver, resolve_host
 
 _MAX_URL_CHARS = 8192
 _USER_AGENT = "llava-sessions-image-loader/0.1"
@@ -84,12 +84,12 @@ class _PinnedBackend(httpcore.NetworkBackend):
         socket_options: Iterable[Any] | None = None,
     ) -> httpcore.NetworkStream:
         """Connect to `host` through an address that passed the policy."""
-        addresses = _resolve(self._resolver, host, port, self._deadline)
-        if not _host_allow_listed(host, self._policy):
+        addresses = resolve_host(self._resolver, host, port, self._deadline)
+        if not host_allow_listed(host, self._policy):
             # All of them, not just the first: a host answering one public and one private
             # address could otherwise steer a retry onto the private one.
             for address in addresses:
-                _vet_address(address, self._policy, host)
+                vet_address(address, self._policy, host)
         error: Exception | None = None
         for address in addresses:
             try:
@@ -146,7 +146,7 @@ def _failure(exc: Exception) -> str:
     return f"transfer failed ({type(exc).__name__})"
 
 
-class _HttpFetch:
+class HttpFetch:
     """ImageLoader's http(s) half: vet URLs, follow redirects by hand, read within limits."""
 
     policy: ImagePolicy
@@ -172,11 +172,13 @@ class _HttpFetch:
         scheme = url.scheme
         if scheme == "http" and not self.policy.allow_http:
             raise ImageForbidden(
-                f"plain http image URLs are disabled ({where}); use https or {_HINT}"
+                f"plain http image URLs are disabled ({where}); use https or {INLINE_HINT}"
             )
         if scheme not in ("http", "https"):
             what = "redirected to" if hop else "got"
-            raise InvalidRequest(f"image fetch {what} unsupported scheme {_clean(scheme, 16)!r}")
+            raise InvalidRequest(
+                f"image fetch {what} unsupported scheme {clean_text(scheme, 16)!r}"
+            )
         if not url.raw_host:
             raise InvalidRequest(f"image URL {where} has no host")
         if url.userinfo:
@@ -184,17 +186,17 @@ class _HttpFetch:
                 f"image URL {where} contains credentials; image URLs must not carry them"
             )
         host = url.raw_host.decode("ascii")
-        if _host_allow_listed(host, self.policy):
+        if host_allow_listed(host, self.policy):
             return
-        if _parse_ip(host) is not None:
+        if parse_ip(host) is not None:
             # Literal addresses are refused before any connection is attempted.
-            _vet_address(host, self.policy, host)
+            vet_address(host, self.policy, host)
         elif self._transport is not None:
             # A caller-supplied transport does its own connecting, so the best we can do
             # is vet what the name resolves to now (no pinning against DNS rebinding).
             port = url.port or (443 if scheme == "https" else 80)
-            for address in _resolve(self._resolver, host, port, deadline):
-                _vet_address(address, self.policy, host)
+            for address in resolve_host(self._resolver, host, port, deadline):
+                vet_address(address, self.policy, host)
 
     def _client(self, deadline: float) -> tuple[httpx.Client, bool]:
         """Build the client for one fetch; say whether we own (and must close) its transport."""
@@ -235,7 +237,8 @@ class _HttpFetch:
         p = self.policy
         return ImageFetchError(
             f"timed out fetching image from {where} (limits: connect {p.connect_timeout_s}s, "
-            f"read {p.read_timeout_s}s, total {p.total_timeout_s}s); use a faster host or {_HINT}"
+            f"read {p.read_timeout_s}s, total {p.total_timeout_s}s); "
+            f"use a faster host or {INLINE_HINT}"
         )
 
     def _fetch_url(self, text: str) -> bytes:
@@ -263,7 +266,7 @@ class _HttpFetch:
         except (httpx.HTTPError, httpx.InvalidURL, httpx.StreamError, ssl.SSLError) as exc:
             raise ImageFetchError(
                 f"could not fetch image from {where}: {_failure(exc)}; check that the URL is "
-                f"reachable over https with a valid certificate, or {_HINT}"
+                f"reachable over https with a valid certificate, or {INLINE_HINT}"
             ) from exc
         finally:
             if owned:
@@ -280,12 +283,12 @@ class _HttpFetch:
         encoding = response.headers.get("content-encoding", "identity").strip().lower()
         if encoding not in ("", "identity"):
             raise ImageFetchError(
-                f"image URL {where} sent a {_clean(encoding, 20)!r}-encoded body although "
-                f"identity was requested; serve the image uncompressed or {_HINT}"
+                f"image URL {where} sent a {clean_text(encoding, 20)!r}-encoded body although "
+                f"identity was requested; serve the image uncompressed or {INLINE_HINT}"
             )
         declared = response.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.policy.max_bytes:
-            raise _too_many_bytes(f"image at {where}", self.policy.max_bytes)
-        return _read_limited(
-            response.iter_bytes(_CHUNK), self.policy.max_bytes, deadline, f"image at {where}"
+            raise too_many_bytes(f"image at {where}", self.policy.max_bytes)
+        return read_limited(
+            response.iter_bytes(READ_CHUNK), self.policy.max_bytes, deadline, f"image at {where}"
         )

@@ -6,8 +6,8 @@ import base64
 import binascii
 
 from llava.core.errors import ImageError, InvalidRequest
-from llava.images.limits import _too_many_bytes
-from llava.images.refs import _clean, _scheme_of
+from llava.images.limits import too_many_bytes
+from llava.images.refs import clean_text, scheme_of
 
 
 def _b64_limit(max_bytes: int) -> int:
@@ -20,10 +20,10 @@ def _decode_base64(text: str, max_bytes: int) -> bytes:
     limit = _b64_limit(max_bytes)
     # Two cheap bounds: the raw text (whitespace included) and the compacted payload.
     if len(text) > 2 * limit + 1024:
-        raise _too_many_bytes("inline image", max_bytes)
+        raise too_many_bytes("inline image", max_bytes)
     compact = "".join(text.split())
     if len(compact) > limit:
-        raise _too_many_bytes("inline image", max_bytes)
+        raise too_many_bytes("inline image", max_bytes)
     compact = compact.translate(str.maketrans("-_", "+/"))
     compact += "=" * (-len(compact) % 4)
     try:
@@ -36,7 +36,7 @@ def _decode_base64(text: str, max_bytes: int) -> bytes:
     if not data:
         raise ImageError("image data is empty; send the bytes of a PNG, JPEG, GIF or WebP file")
     if len(data) > max_bytes:
-        raise _too_many_bytes("inline image", max_bytes)
+        raise too_many_bytes("inline image", max_bytes)
     return data
 
 
@@ -48,7 +48,8 @@ def _decode_data_uri(ref: str, max_bytes: int) -> bytes:
     media, *params = (part.strip().lower() for part in header.split(";"))
     if not media.startswith("image/"):
         raise InvalidRequest(
-            f"data URI has media type {_clean(media, 40)!r}; only image/* data URIs are accepted"
+            f"data URI has media type {clean_text(media, 40)!r}; "
+            "only image/* data URIs are accepted"
         )
     if "base64" not in params:
         raise InvalidRequest(
@@ -59,6 +60,6 @@ def _decode_data_uri(ref: str, max_bytes: int) -> bytes:
 
 def read_inline(text: str, max_bytes: int) -> bytes:
     """Decode an inline reference (a data URI or bare base64) into the image file's bytes."""
-    if _scheme_of(text) == "data":
+    if scheme_of(text) == "data":
         return _decode_data_uri(text, max_bytes)
     return _decode_base64(text, max_bytes)

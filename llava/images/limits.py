@@ -6,12 +6,12 @@ import time
 from collections.abc import Iterable
 
 from llava.core.errors import ImageFetchError, ImageTooLarge
-from llava.images.refs import _HINT
+from llava.images.refs import INLINE_HINT
 
-_CHUNK = 64 * 1024
+READ_CHUNK = 64 * 1024
 
 
-def _too_many_bytes(what: str, max_bytes: int) -> ImageTooLarge:
+def too_many_bytes(what: str, max_bytes: int) -> ImageTooLarge:
     """Build the error for an image over the byte limit."""
     return ImageTooLarge(
         f"{what} is larger than the {max_bytes}-byte limit; send a smaller or more "
@@ -20,16 +20,16 @@ def _too_many_bytes(what: str, max_bytes: int) -> ImageTooLarge:
     )
 
 
-def _read_limited(chunks: Iterable[bytes], max_bytes: int, deadline: float, what: str) -> bytes:
+def read_limited(chunks: Iterable[bytes], max_bytes: int, deadline: float, what: str) -> bytes:
     """Collect chunks, aborting as soon as they pass `max_bytes` or the deadline."""
     buffer = bytearray()
     for chunk in chunks:
         buffer += chunk
         if len(buffer) > max_bytes:
-            raise _too_many_bytes(what, max_bytes)
+            raise too_many_bytes(what, max_bytes)
         if time.monotonic() > deadline:
             raise ImageFetchError(
                 f"fetching {what} did not finish within the total deadline; use a faster "
-                f"host or {_HINT}"
+                f"host or {INLINE_HINT}"
             )
     return bytes(buffer)

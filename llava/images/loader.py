@@ -13,14 +13,14 @@ from PIL import Image
 
 from llava.core.errors import InvalidRequest
 from llava.images.decode import ImageDecoder
-from llava.images.fetch import _HttpFetch
+from llava.images.fetch import HttpFetch
 from llava.images.policy import ImagePolicy
-from llava.images.refs import _scheme_of
-from llava.images.resolve import Resolver, _system_resolver
-from llava.images.s3 import _default_s3_client, _S3Fetch
+from llava.images.refs import scheme_of
+from llava.images.resolve import Resolver, system_resolver
+from llava.images.s3 import S3Fetch, default_s3_client
 
 
-class ImageLoader(_HttpFetch, _S3Fetch):
+class ImageLoader(HttpFetch, S3Fetch):
     """Turn an image reference from a request into a normalized RGB PIL image."""
 
     def __init__(
@@ -33,8 +33,8 @@ class ImageLoader(_HttpFetch, _S3Fetch):
     ) -> None:
         """Configure the loader; `transport` replaces the pinned one (then no IP pinning)."""
         self.policy = policy
-        self._resolver: Resolver = resolver or _system_resolver
-        self._s3_factory = s3_client_factory or functools.partial(_default_s3_client, policy)
+        self._resolver: Resolver = resolver or system_resolver
+        self._s3_factory = s3_client_factory or functools.partial(default_s3_client, policy)
         self._transport = transport
         self._lock = threading.Lock()
         self._s3_client: Any = None
@@ -58,7 +58,7 @@ class ImageLoader(_HttpFetch, _S3Fetch):
             raise InvalidRequest(
                 "image reference is empty; send an https URL, s3:// URI, data URI or base64"
             )
-        scheme = _scheme_of(text)
+        scheme = scheme_of(text)
         if scheme in (None, "data"):
             return text
         if scheme in ("http", "https"):

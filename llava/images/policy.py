@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 
 from llava.core.errors import ImageForbidden, InvalidRequest
-from llava.images.refs import _HINT
+from llava.images.refs import INLINE_HINT
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -147,7 +147,7 @@ def _normalize_host(host: str) -> str:
     return host.strip().strip("[]").rstrip(".").lower()
 
 
-def _parse_ip(ip: str) -> IPAddress | None:
+def parse_ip(ip: str) -> IPAddress | None:
     """Parse an address, dropping any IPv6 zone id; None if it is not an IP address."""
     try:
         return ipaddress.ip_address(ip.strip().strip("[]").split("%", 1)[0])
@@ -206,12 +206,12 @@ def _address_allow_listed(addr: IPAddress, allow: _AllowList) -> bool:
     return any(c.version == net.version and c in net for c in candidates for net in allow.networks)
 
 
-def _vet_address(ip: str, policy: ImagePolicy, host: str | None) -> None:
+def vet_address(ip: str, policy: ImagePolicy, host: str | None) -> None:
     """Raise ImageForbidden unless `ip` is public or allow-listed; name `host` if given."""
-    addr = _parse_ip(ip)
+    addr = parse_ip(ip)
     where = f"image host {host!r}" if host else "address"
     if addr is None:
-        raise ImageForbidden(f"{where} did not resolve to an IP address ({ip!r}); {_HINT}")
+        raise ImageForbidden(f"{where} did not resolve to an IP address ({ip!r}); {INLINE_HINT}")
     if _address_allow_listed(addr, _allow_list(policy.allow_hosts)):
         return
     reason = _blocked_reason(addr)
@@ -221,15 +221,15 @@ def _vet_address(ip: str, policy: ImagePolicy, host: str | None) -> None:
         target = f"{where} resolves to a" if host else "address is a"
         raise ImageForbidden(
             f"{target} {reason} address, which image URLs may not reach; use a publicly "
-            f"reachable URL or {_HINT}"
+            f"reachable URL or {INLINE_HINT}"
         )
 
 
 def check_address(ip: str, policy: ImagePolicy) -> None:
     """Raise ImageForbidden unless the image fetcher may connect to `ip` under `policy`."""
-    _vet_address(ip, policy, None)
+    vet_address(ip, policy, None)
 
 
-def _host_allow_listed(host: str, policy: ImagePolicy) -> bool:
+def host_allow_listed(host: str, policy: ImagePolicy) -> bool:
     """Tell whether a URL host name is allow-listed by name."""
     return _normalize_host(host) in _allow_list(policy.allow_hosts).hosts

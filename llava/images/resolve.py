@@ -11,21 +11,21 @@ from typing import Any
 import httpcore
 
 from llava.core.errors import ImageFetchError, KitError
-from llava.images.policy import _parse_ip
-from llava.images.refs import _HINT
+from llava.images.policy import parse_ip
+from llava.images.refs import INLINE_HINT
 
 Resolver = Callable[[str, int], list[str]]
 
 
-def _system_resolver(host: str, port: int) -> list[str]:
+def system_resolver(host: str, port: int) -> list[str]:
     """Resolve a host to its TCP addresses with the system resolver, in preference order."""
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
     return list(dict.fromkeys(str(info[4][0]) for info in infos))
 
 
-def _resolve(resolver: Resolver, host: str, port: int, deadline: float) -> list[str]:
+def resolve_host(resolver: Resolver, host: str, port: int, deadline: float) -> list[str]:
     """Resolve `host` within the deadline; an IP literal resolves to itself."""
-    if _parse_ip(host) is not None:
+    if parse_ip(host) is not None:
         return [host.strip("[]")]
     box: dict[str, Any] = {}
 
@@ -47,14 +47,16 @@ def _resolve(resolver: Resolver, host: str, port: int, deadline: float) -> list[
         raise error
     if isinstance(error, OSError):
         raise ImageFetchError(
-            f"could not resolve image host {host!r}; check the URL or {_HINT}"
+            f"could not resolve image host {host!r}; check the URL or {INLINE_HINT}"
         ) from None
     if error is not None:
         raise error
     addresses = [str(a) for a in box.get("addresses") or []]
     if not addresses:
-        raise ImageFetchError(f"image host {host!r} has no addresses; check the URL or {_HINT}")
-    if any(_parse_ip(a) is None for a in addresses):
+        raise ImageFetchError(
+            f"image host {host!r} has no addresses; check the URL or {INLINE_HINT}"
+        )
+    if any(parse_ip(a) is None for a in addresses):
         # Connecting to a name would let the OS resolve it again, behind our back.
         raise ImageFetchError(f"resolving image host {host!r} gave something not an IP address")
     return addresses

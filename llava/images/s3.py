@@ -9,14 +9,14 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from llava.core.errors import ImageError, ImageFetchError, ImageForbidden, InvalidRequest, KitError
-from llava.images.limits import _CHUNK, _read_limited, _too_many_bytes
+from llava.images.limits import READ_CHUNK, read_limited, too_many_bytes
 from llava.images.policy import ImagePolicy
-from llava.images.refs import _HINT, _clean, describe_ref
+from llava.images.refs import INLINE_HINT, clean_text, describe_ref
 
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 
 
-def _default_s3_client(policy: ImagePolicy) -> Any:
+def default_s3_client(policy: ImagePolicy) -> Any:
     """Build a boto3 S3 client with the policy's timeouts."""
     try:
         import boto3
@@ -24,7 +24,7 @@ def _default_s3_client(policy: ImagePolicy) -> Any:
     except ImportError:
         raise ImageError(
             "s3:// image references need boto3 on the server (pip install "
-            f"'llava-sessions[aws]'); or {_HINT}"
+            f"'llava-sessions[aws]'); or {INLINE_HINT}"
         ) from None
     config = Config(
         connect_timeout=policy.connect_timeout_s,
@@ -39,11 +39,11 @@ def _s3_error_code(exc: Exception) -> str:
     response = getattr(exc, "response", None)
     error = response.get("Error") if isinstance(response, dict) else None
     if isinstance(error, dict) and error.get("Code"):
-        return _clean(str(error["Code"]), 40)
+        return clean_text(str(error["Code"]), 40)
     return type(exc).__name__
 
 
-class _S3Fetch:
+class S3Fetch:
     """ImageLoader's s3:// half: one shared client, the byte limit enforced while reading."""
 
     policy: ImagePolicy
@@ -62,7 +62,7 @@ class _S3Fetch:
         """Download an s3://bucket/key object within the byte limit."""
         where = describe_ref(text)
         if not self.policy.allow_s3:
-            raise ImageForbidden(f"s3:// image references are disabled here; {_HINT}")
+            raise ImageForbidden(f"s3:// image references are disabled here; {INLINE_HINT}")
         bucket, _, key = text[5:].partition("/")
         if not _BUCKET.fullmatch(bucket) or not key:
             raise InvalidRequest(
@@ -84,8 +84,8 @@ class _S3Fetch:
         try:
             declared = body.get("ContentLength")
             if isinstance(declared, int) and declared > self.policy.max_bytes:
-                raise _too_many_bytes(f"image at {where}", self.policy.max_bytes)
-            return _read_limited(
+                raise too_many_bytes(f"image at {where}", self.policy.max_bytes)
+            return read_limited(
                 self._s3_chunks(stream), self.policy.max_bytes, deadline, f"image at {where}"
             )
         except KitError:
@@ -103,7 +103,7 @@ class _S3Fetch:
         """Yield body chunks, never asking for more than one byte past the limit."""
         remaining = self.policy.max_bytes + 1
         while remaining > 0:
-            chunk = stream.read(min(_CHUNK, remaining))
+            chunk = stream.read(min(READ_CHUNK, remaining))
             if not chunk:
                 return
             remaining -= len(chunk)

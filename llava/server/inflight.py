@@ -12,7 +12,7 @@ from llava.api.replies import Replies, Reply, error_reply
 from llava.api.session_api import Generate, OpenSession, Query
 from llava.core.errors import KitError
 from llava.server.contract import StateT, TurnT
-from llava.sessions.store import Session, Slot
+from llava.sessions.session import Session, Slot
 
 
 @dataclass(eq=False)

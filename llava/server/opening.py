@@ -20,7 +20,8 @@ from llava.api.session_api import OpenSession
 from llava.images.background import BackgroundImages
 from llava.server.contract import Engine, StateT, TurnT
 from llava.server.inflight import Fetching, Opening
-from llava.sessions.store import Session, SessionStore, Slot
+from llava.sessions.session import Session, Slot
+from llava.sessions.store import SessionStore
 
 
 class SessionOpener(Generic[StateT, TurnT]):

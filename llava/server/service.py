@@ -44,8 +44,9 @@ from llava.server.contract import Engine, StateT, TurnT
 from llava.server.inflight import Answering, Fetching, Opening
 from llava.server.opening import SessionOpener
 from llava.server.out_of_memory import step_with_retry
+from llava.sessions.session import LOST, Session
 from llava.sessions.snapshots import SnapshotDir
-from llava.sessions.store import LOST, Session, SessionStore
+from llava.sessions.store import SessionStore
 
 log = logging.getLogger(__name__)
 
@@ -186,16 +187,8 @@ class SessionService(Generic[StateT, TurnT]):
         """Admit an OpenAI chat completion: one-shot, opening a session, or continuing one."""
         replies = OpenAIReplies(request.model, request.include_usage)
         if request.session is None:  # no session: a one-shot answer
-            generate = Generate(
-                image=request.image,
-                prompt=request.prompt,
-                system_prompt=request.system_prompt,
-                history=request.history,
-                params=request.params,
-                stream=request.stream,
-            )
             image = self._images.submit(request.image)
-            self._work[request_id] = Fetching(generate, image, replies=replies)
+            self._work[request_id] = Fetching(request.as_generate(), image, replies=replies)
             return
         if request.session == NEW_SESSION:
             self._work[request_id] = self.opener.fetch(request, replies)

@@ -8,16 +8,25 @@ answers stay the same either way).
 
 from __future__ import annotations
 
-from llava.engine.engine import LlavaEngine
-from llava.engine.state.session import Tier
-from llava.sessions.store import Session, idle_sessions
+from typing import Any, Protocol
+
+from llava.core.tiers import Tier
+from llava.sessions.policy import idle_sessions
+from llava.sessions.session import Session
+
+
+class TierMover(Protocol):
+    """What moves a session's state down a tier (the engine); each returns the bytes freed."""
+
+    def offload(self, state: Any) -> int: ...
+    def drop_cache(self, state: Any) -> int: ...
 
 
 class TieredMemory:
     """Keep device and host bytes of all sessions within their budgets (None = unbounded)."""
 
     def __init__(
-        self, engine: LlavaEngine, device_budget: int | None, host_budget: int | None
+        self, engine: TierMover, device_budget: int | None, host_budget: int | None
     ) -> None:
         self.engine = engine
         self.device_budget = device_budget

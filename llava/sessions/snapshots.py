@@ -29,12 +29,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from llava.core.ids import is_valid_session_id
-from llava.server.contract import Engine
 from llava.sessions.registry import safe_name
-from llava.sessions.store import EXPIRED, LOST, SessionStore
+from llava.sessions.session import EXPIRED, LOST
+from llava.sessions.store import SessionStore
 
 log = logging.getLogger(__name__)
 
@@ -179,9 +179,16 @@ class SnapshotDir:
         _unlink(self.path / (sid + SUFFIX))
 
 
+class Resumer(Protocol):
+    """What rebuilds a session from its snapshot bytes (the engine), and frees one."""
+
+    def resume(self, data: bytes) -> tuple[Any, dict[str, Any]]: ...
+    def release(self, state: Any) -> None: ...
+
+
 def recover(
     snapshots: SnapshotDir,
-    engine: Engine[Any, Any],
+    engine: Resumer,
     store: SessionStore,
     left_open: Iterable[str],
     *,

@@ -27,98 +27,29 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from llava.core.errors import (
     CapacityExceeded,
     SessionBusy,
-    SessionClosed,
-    SessionExpired,
-    SessionLost,
     SessionNotFound,
 )
 from llava.core.ids import new_session_id
+from llava.sessions.policy import ByteBudget, MemoryPolicy
+from llava.sessions.session import (
+    CLOSED,
+    ENDED_ERRORS,
+    EVICTED,
+    EXPIRED,
+    LOST,
+    Session,
+    SessionJournal,
+    Slot,
+)
 
 log = logging.getLogger(__name__)
 
-# Reasons a session ended, and the error a later request for it gets.
-CLOSED, EXPIRED, EVICTED, LOST = "closed", "expired", "evicted", "lost"
-_ENDED_ERRORS = {
-    CLOSED: (SessionClosed, "session {} was closed; open a new one"),
-    EXPIRED: (SessionExpired, "session {} expired after {} s idle; open a new one"),
-    EVICTED: (SessionExpired, "session {} was evicted to make room for others; open a new one"),
-    LOST: (SessionLost, "session {} was lost (its state could not be kept); open a new one"),
-}
 _TOMBSTONES = 65_536  # remembered ended ids, so a late request gets a precise error
-
-
-@dataclass(eq=False)
-class Session:
-    """One open session: the engine's state plus the store's bookkeeping."""
-
-    id: str
-    state: Any
-    nbytes: int
-    last_used: float
-    busy: bool = False
-    closing: bool = False
-    info: dict[str, Any] = field(default_factory=dict)
-
-
-class MemoryPolicy(Protocol):
-    """Fit the sessions into memory by shrinking or choosing idle ones to evict."""
-
-    def rebalance(self, sessions: list[Session], keep: str | None) -> list[Session]:
-        """Shrink idle sessions (least recently used first); return those to evict.
-
-        `sessions` are all open sessions, least recently used first; busy or closing ones and
-        `keep` (the session just used) must not be touched. Update each `nbytes` you change.
-        """
-        ...
-
-    def relieve(self, sessions: list[Session]) -> None:
-        """Free all the device memory idle sessions hold (the device ran out of it)."""
-        ...
-
-
-class ByteBudget:
-    """Evict the least recently used idle sessions while the total exceeds `budget_bytes`."""
-
-    def __init__(self, budget_bytes: int) -> None:
-        self.budget_bytes = budget_bytes
-
-    def rebalance(self, sessions: list[Session], keep: str | None) -> list[Session]:
-        total = sum(s.nbytes for s in sessions)
-        victims = []
-        for session in idle_sessions(sessions, keep):
-            if total <= self.budget_bytes:
-                break
-            total -= session.nbytes
-            victims.append(session)
-        return victims
-
-    def relieve(self, sessions: list[Session]) -> None:
-        """Nothing to move: this policy only counts bytes."""
-
-
-def idle_sessions(sessions: list[Session], keep: str | None) -> list[Session]:
-    """Return the sessions a memory policy may shrink or evict, in the order given."""
-    return [s for s in sessions if not s.busy and not s.closing and s.id != keep]
-
-
-class SessionJournal(Protocol):
-    """Hears of session ids as they open, are used (new expiry) and end; must not raise."""
-
-    def opened(self, sid: str, expires_at: float) -> None: ...
-    def ended(self, sid: str) -> None: ...
-
-
-@dataclass(frozen=True)
-class Slot:
-    """A reserved place for a session being opened (its image may still be loading)."""
-
-    id: str
 
 
 class SessionStore:
@@ -277,8 +208,8 @@ class SessionStore:
 
         Open sessions are left alone; returns how many tombstones were added.
         """
-        if reason not in _ENDED_ERRORS:
-            raise ValueError(f"unknown reason {reason!r}; use one of {', '.join(_ENDED_ERRORS)}")
+        if reason not in ENDED_ERRORS:
+            raise ValueError(f"unknown reason {reason!r}; use one of {', '.join(ENDED_ERRORS)}")
         added = 0
         with self._lock:
             for sid in ids:
@@ -362,7 +293,7 @@ class SessionStore:
         reason = self._ended.get(sid)
         if reason is None:
             return SessionNotFound(f'no session {sid}; open one with "open_session"')
-        cls, template = _ENDED_ERRORS[reason]
+        cls, template = ENDED_ERRORS[reason]
         return cls(template.format(sid, int(self.ttl_s)))
 
     def _end(self, session: Session, reason: str) -> None:

@@ -1,1 +1,1 @@
-"""TODO"""
+"""Developer tools the serving image does not need: tiny models, archive, deploy, chat page."""

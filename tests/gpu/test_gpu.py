@@ -73,7 +73,7 @@ def test_sessions_and_batched_decode_answer_as_the_pipeline(family) -> None:
 def test_an_open_rides_the_forward_of_the_answers_decoding(family) -> None:
     # Packed steps on the device: the image's prefill chunks go in the stacked decode's forward.
     engine, reference = family
-    assert engine.packs  # the start-up check found a packed forward equal to the pieces' own
+    assert engine.runner.packs  # the start-up check found a packed forward equal to the pieces' own
     long = GenerationParams(max_new_tokens=4 * TOKENS)
     states = [engine.open_session(image(i)) for i in range(2)]
     turns = [engine.start_turn(state, PROMPTS[0], long) for state in states]
@@ -82,7 +82,7 @@ def test_an_open_rides_the_forward_of_the_answers_decoding(family) -> None:
     opened = engine.new_session(engine.prepare(image(2)))
     opening = engine.start_open(opened)
     packed = []
-    hook = engine.replicas[0].model.register_forward_hook(
+    hook = engine.runner.replicas[0].model.register_forward_hook(
         lambda module, args, kwargs, out: packed.append("packing" in kwargs), with_kwargs=True
     )
     try:
@@ -140,7 +140,7 @@ def test_a_real_out_of_memory_error_leaves_every_session_intact(family, gpu: Set
         pytest.skip("a real CUDA out-of-memory error needs CUDA (test_step_faults injects one)")
     engine, reference = family
     store = SessionStore(memory=TieredMemory(engine, None, None), release=lambda s, r: None)
-    service = SessionService(engine, store, Images(), limits=engine.config.limits)
+    service = SessionService(engine, store, Images(), limits=engine.runner.config.limits)
     try:
         opens = [
             (f"o{i}", {"type": "open_session", "image": f"https://images.test/{i}"}, {})

@@ -113,7 +113,7 @@ def _aws_env(moto_url: str, runtime_url: str) -> dict[str, str]:
     return env
 
 
-def _client(service: str, env: dict[str, str]) -> Any:
+def aws_client(service: str, env: dict[str, str]) -> Any:
     return boto3.client(
         service,
         region_name=REGION,
@@ -151,7 +151,7 @@ def test_notebook_deploys_chats_and_cleans_up(
     assert KernelSpecManager().get_kernel_spec("python3").language == "python"
 
     env = _aws_env(moto_url, runtime.url)
-    _client("s3", env).create_bucket(Bucket=BUCKET)
+    aws_client("s3", env).create_bucket(Bucket=BUCKET)
     env.update(
         ENDPOINT=ENDPOINT,
         SKIP_BUILD="1",
@@ -200,11 +200,11 @@ def test_notebook_deploys_chats_and_cleans_up(
 
     # cleaned up: endpoint, its config and model gone from moto, the S3 prefix empty
     assert f"endpoint {ENDPOINT}" in result["deleted"]
-    sm = _client("sagemaker", env)
+    sm = aws_client("sagemaker", env)
     with pytest.raises(ClientError) as info:
         sm.describe_endpoint(EndpointName=ENDPOINT)
     assert "Could not find endpoint" in str(info.value)
     assert sm.list_endpoint_configs(NameContains=ENDPOINT)["EndpointConfigs"] == []
     assert sm.list_models(NameContains=ENDPOINT)["Models"] == []
-    listing = _client("s3", env).list_objects_v2(Bucket=BUCKET, Prefix=prefix)
+    listing = aws_client("s3", env).list_objects_v2(Bucket=BUCKET, Prefix=prefix)
     assert listing["KeyCount"] == 0

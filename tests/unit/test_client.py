@@ -39,7 +39,7 @@ from llava.core.errors import (
     SessionExpired,
     SessionNotFound,
 )
-from llava.fronts.local_runtime.server import encode_event, exception_event, payload_part
+from llava.fronts.local_runtime.eventstream import encode_event, exception_event, payload_part
 
 SID = "0123456789abcdef0123456789abcdef01234567"
 EXPIRES = "2031-01-02T03:04:05Z"

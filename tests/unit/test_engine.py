@@ -8,7 +8,8 @@ from helpers import Reference, make_image
 from llava.core.config import ServerConfig
 from llava.core.errors import SessionExpired
 from llava.core.params import GenerationParams
-from llava.engine import LlavaEngine, Tier
+from llava.engine import LlavaEngine
+from llava.engine.selfcheck import Tier, self_check
 from llava.sessions.memory import TieredMemory
 from llava.sessions.store import SessionStore
 
@@ -62,7 +63,7 @@ def test_concurrent_answers_share_one_forward_per_step(tiny_checkpoint):
     states = [engine.open_session(image) for image in images]
     turns = [engine.start_turn(s, p, GREEDY) for s, p in zip(states, prompts, strict=True)]
     calls = []
-    hook = engine.replicas[0].model.register_forward_hook(
+    hook = engine.runner.replicas[0].model.register_forward_hook(
         lambda module, args, kwargs, out: calls.append(fed_shape(kwargs)), with_kwargs=True
     )
     try:
@@ -191,9 +192,9 @@ def test_two_replicas_pin_sessions_to_the_least_loaded_and_batch_per_replica(
 
     replicas = [
         Replica(AutoModelForImageTextToText.from_pretrained(tiny_checkpoint).eval(), r.device)
-        for r in engine.replicas * 2
+        for r in engine.runner.replicas * 2
     ]
-    two = LlavaEngine(engine.processor, replicas, ServerConfig(device="cpu"))
+    two = LlavaEngine(engine.runner.processor, replicas, ServerConfig(device="cpu"))
     images = [make_image(40 + i) for i in range(4)]
     states = [two.open_session(image) for image in images]
     assert [s.replica for s in states] == [replicas[0], replicas[1], replicas[0], replicas[1]]
@@ -252,10 +253,10 @@ def test_worker_start_fails_when_image_features_are_silently_ignored(engine, mon
 
         return model.get_input_embeddings()(torch.tensor([ids]))
 
-    engine.self_check()  # the real path passes
+    self_check(engine.runner)  # the real path passes
     monkeypatch.setattr(forward_module, "embed", embed_without_image)
     with pytest.raises(RuntimeError, match=r"transformers 5\.\d+.*pyproject\.toml"):
-        engine.self_check()
+        self_check(engine.runner)
 
 
 @pytest.mark.parametrize("image_processes", [0, 2])
@@ -267,13 +268,13 @@ def test_the_tower_runs_in_a_step_or_with_the_processor_and_answers_agree(
     pipeline's answers, and the steps feed the pacer that sizes the budget."""
     config = ServerConfig(device="cpu", image_processes=image_processes)
     engine = LlavaEngine.load(tiny_checkpoint, config)  # step_token_budget 0: calibrated
-    assert engine.pacer is not None
+    assert engine.runner.pacer is not None
     image = make_image(3)
     state = engine.new_session(engine.prepare(image))
     opening = engine.start_open(state)
     assert (opening.tower_tokens > 0) == (image_processes == 0)
     engine.run_to_end(opening)
-    quiet = engine.pacer.quiet_s
+    quiet = engine.runner.pacer.quiet_s
     got = [answer(engine, state, p).text for p in PROMPTS[:2]]
     assert got == reference.answers(image, PROMPTS[:2], 10)
-    assert engine.pacer.quiet_s != quiet  # its decode-only steps were measured
+    assert engine.runner.pacer.quiet_s != quiet  # its decode-only steps were measured

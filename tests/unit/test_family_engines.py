@@ -64,7 +64,7 @@ def test_batched_decode_across_different_image_token_counts(family):
     batched = 0
     while not all(t.done for t in turns):
         assert not engine.step(turns)
-        batched += engine.decoder.stacked  # the decoding turns shared one stacked forward
+        batched += engine.runner.decoder.stacked  # the decoding turns shared one stacked forward
     for turn in turns:
         engine.finish_turn(turn)
     assert batched > 0
@@ -90,7 +90,7 @@ def test_images_added_mid_conversation(family):
     profile, engine, reference = family
     opening, second, third = (make_image(70 + i, size) for i, size in enumerate(SIZES))
     state = engine.open_session(opening)
-    if not engine.images.multi_image:
+    if not engine.runner.images.multi_image:
         answer(engine, state, PROMPTS[0])
         with pytest.raises(InvalidRequest, match="one image per conversation") as info:
             engine.start_turn(state, PROMPTS[1], GREEDY, image=second)
@@ -124,7 +124,7 @@ def test_images_added_mid_conversation(family):
 
 def test_an_aborted_turn_leaves_its_added_image_out(family):
     _, engine, reference = family
-    if not engine.images.multi_image:
+    if not engine.runner.images.multi_image:
         pytest.skip("single-image family")
     opening, second = make_image(80, SIZES[0]), make_image(81, SIZES[2])
     state = engine.open_session(opening)
@@ -141,7 +141,7 @@ def test_an_open_rides_the_forward_of_a_streaming_answer(family):
     # Packed steps: the image's prefill chunks go in the decode's forward; both answers are
     # the pipeline's.
     _, engine, reference = family
-    assert engine.packs
+    assert engine.runner.packs
     streamed, opened = make_image(90, SIZES[0]), make_image(91, SIZES[2])
     long = GenerationParams(max_new_tokens=48)
     stream = engine.start_turn(engine.open_session(streamed), PROMPTS[0], long)
@@ -150,7 +150,7 @@ def test_an_open_rides_the_forward_of_a_streaming_answer(family):
     state = engine.new_session(engine.prepare(opened))
     opening = engine.start_open(state)
     packed = []
-    hook = engine.replicas[0].model.register_forward_hook(
+    hook = engine.runner.replicas[0].model.register_forward_hook(
         lambda module, args, kwargs, out: packed.append("packing" in kwargs), with_kwargs=True
     )
     steps = 0

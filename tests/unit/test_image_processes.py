@@ -130,10 +130,10 @@ def test_the_tower_in_an_image_process_gives_the_models_own_features(tmp_path, p
         second = processes.run(loader.read(data_uri(images[1])), first.sources)
     finally:
         processes.close()
-    model = engine.replicas[0].model  # the model's own tower, in this process
+    model = engine.runner.replicas[0].model  # the model's own tower, in this process
     for prepared, together in ((first, images[:1]), (second, [*first.sources, images[1]])):
         assert prepared.features is not None and not prepared.processed.inputs
-        processed = process_images(engine.processor, together, engine.image_token_id)
+        processed = process_images(engine.runner.processor, together, engine.runner.image_token_id)
         assert prepared.processed.tokens == processed.tokens
         assert torch.equal(prepared.features, image_features(model, processed, HOST))
 

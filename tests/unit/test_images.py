@@ -37,7 +37,7 @@ from llava.core.errors import (
     InvalidRequest,
     KitError,
 )
-from llava.images import ImageLoader, ImagePolicy, _to_rgb, check_address, describe_ref
+from llava.images import ImageLoader, ImagePolicy, check_address, describe_ref, to_rgb
 
 # --- helpers ------------------------------------------------------------------------------
 
@@ -748,7 +748,7 @@ def test_in_memory_modes_become_rgb(mode: str, color: Any, expected: Any) -> Non
     img = Image.new(mode, (3, 2), color)
     if mode == "PA":
         img.putpalette([0, 0, 0] * 256)
-    out = _to_rgb(img)
+    out = to_rgb(img)
     assert (out.mode, out.size) == ("RGB", (3, 2))
     if expected is not None:
         assert out.getpixel((0, 0)) == pytest.approx(expected, abs=2)

@@ -31,22 +31,22 @@ def engine(request: Any, tmp_path_factory: Any) -> LlavaEngine:
 def conversation(engine: LlavaEngine, seed: int) -> tuple[list[int], torch.Tensor]:
     """An open's ids (system prompt, image tokens) and the image's features."""
     state = engine.new_session(engine.prepare(make_image(seed)))
-    replica = engine.replicas[0]
+    replica = engine.runner.replicas[0]
     images = state.images
     if images.pending is not None:  # the tower has not run yet (it runs in the first step)
-        images = engine.images.encode_pending(replica.model, replica.device, images)
-    features = engine.images.features(replica.model, replica.device, images)
+        images = engine.runner.images.encode_pending(replica.model, replica.device, images)
+    features = engine.runner.images.features(replica.model, replica.device, images)
     assert features is not None
     return state.prefix_ids, features
 
 
 def caches_after(engine: LlavaEngine, prefixes: list[tuple[list[int], torch.Tensor]]) -> list[Any]:
     """A cache per conversation holding its first `len - 7` ids (7 are left to feed)."""
-    replica = engine.replicas[0]
+    replica = engine.runner.replicas[0]
     caches = []
     for ids, features in prefixes:
-        cache = new_cache(engine.num_layers)
-        engine.forward(replica, cache, ids[:-7], features, 0)
+        cache = new_cache(engine.runner.num_layers)
+        engine.runner.forward(replica, cache, ids[:-7], features, 0)
         caches.append(cache)
     return caches
 
@@ -56,7 +56,7 @@ def pieces_of(engine: LlavaEngine, prefixes: Any, caches: list[Any]) -> list[Pie
     pieces = []
     for (ids, features), cache, count in zip(prefixes, caches, (1, 7), strict=True):
         fed = ids[: len(ids) - 7]
-        offset = sum(1 for i in fed if i == engine.image_token_id)
+        offset = sum(1 for i in fed if i == engine.runner.image_token_id)
         pieces.append(Piece(cache, ids[len(fed) : len(fed) + count], features, offset))
     return pieces
 
@@ -64,15 +64,15 @@ def pieces_of(engine: LlavaEngine, prefixes: Any, caches: list[Any]) -> list[Pie
 def both_ways(engine: LlavaEngine) -> tuple[list[torch.Tensor], list[Any], torch.Tensor, list[Any]]:
     """The same two pieces fed alone (the model's own forward each) and packed."""
     prefixes = [conversation(engine, 1), conversation(engine, 2)]
-    replica = engine.replicas[0]
+    replica = engine.runner.replicas[0]
     alone_caches = caches_after(engine, prefixes)
     alone = [
-        engine.forward(replica, p.cache, p.ids, p.features, p.offset)
+        engine.runner.forward(replica, p.cache, p.ids, p.features, p.offset)
         for p in pieces_of(engine, prefixes, alone_caches)
     ]
     packed_caches = caches_after(engine, prefixes)
     packed = packed_forward(
-        replica.model, pieces_of(engine, prefixes, packed_caches), engine.image_token_id
+        replica.model, pieces_of(engine, prefixes, packed_caches), engine.runner.image_token_id
     )
     return alone, alone_caches, packed, packed_caches
 
@@ -95,7 +95,7 @@ def test_every_piece_gets_the_logits_and_cache_of_its_own_forward(engine) -> Non
 
 
 def test_a_sliding_window_is_kept(engine) -> None:
-    text = engine.replicas[0].model.config.get_text_config()
+    text = engine.runner.replicas[0].model.config.get_text_config()
     if not sliding(text):
         pytest.skip("no sliding-window attention in this family's text model")
     saved = text.sliding_window
@@ -114,7 +114,7 @@ def test_a_sliding_window_is_kept(engine) -> None:
 
 def test_a_fault_in_any_layer_leaves_every_cache_as_before(engine) -> None:
     prefixes = [conversation(engine, 3), conversation(engine, 4)]
-    layers = engine.replicas[0].model.model.language_model.layers
+    layers = engine.runner.replicas[0].model.model.language_model.layers
 
     def fail(module: Any, args: Any, kwargs: Any) -> None:
         raise RuntimeError("injected fault")
@@ -125,7 +125,9 @@ def test_a_fault_in_any_layer_leaves_every_cache_as_before(engine) -> None:
     try:
         with torch.inference_mode(), pytest.raises(RuntimeError, match="injected"):
             packed_forward(
-                engine.replicas[0].model, pieces_of(engine, prefixes, caches), engine.image_token_id
+                engine.runner.replicas[0].model,
+                pieces_of(engine, prefixes, caches),
+                engine.runner.image_token_id,
             )
     finally:
         handle.remove()
@@ -147,7 +149,7 @@ class Row:
 def test_a_stacked_decode_batch_is_one_piece(engine) -> None:
     # Three answers of different lengths in a left-padded batch, and a chunk beside them: the
     # batch's rows get what the batch's own forward gives them, the chunk its own forward's.
-    replica = engine.replicas[0]
+    replica = engine.runner.replicas[0]
     answers = [conversation(engine, 5 + i) for i in range(3)]
     chunked = conversation(engine, 9)
 
@@ -158,7 +160,7 @@ def test_a_stacked_decode_batch_is_one_piece(engine) -> None:
         )
         ids, features = chunked
         fed = ids[: len(ids) - 7]
-        offset = sum(1 for i in fed if i == engine.image_token_id)
+        offset = sum(1 for i in fed if i == engine.runner.image_token_id)
         return batch, Piece(caches_after(engine, [chunked])[0], ids[len(fed) :], features, offset)
 
     text = replica.model.config.get_text_config()
@@ -171,12 +173,14 @@ def test_a_stacked_decode_batch_is_one_piece(engine) -> None:
             with torch.inference_mode():
                 batch, chunk = setup()
                 rows = batch.forward(replica.model)
-                alone = engine.forward(
+                alone = engine.runner.forward(
                     replica, chunk.cache, chunk.ids, chunk.features, chunk.offset
                 )
                 packed_batch, packed_chunk = setup()
                 packed = packed_forward(
-                    replica.model, [packed_batch.piece(), packed_chunk], engine.image_token_id
+                    replica.model,
+                    [packed_batch.piece(), packed_chunk],
+                    engine.runner.image_token_id,
                 )
             torch.testing.assert_close(packed[:3], rows, rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(packed[3], alone, rtol=1e-4, atol=1e-4)
@@ -196,8 +200,8 @@ def test_the_start_up_check_stops_packing_where_the_attention_is_not_routed(
     from llava.engine.selfcheck import self_check
 
     engine = LlavaEngine.load(tiny_checkpoint, ServerConfig(device="cpu", image_processes=0))
-    assert engine.packs
-    engine.replicas[0].model.set_attn_implementation({"text_config": "sdpa"})
+    assert engine.runner.packs
+    engine.runner.replicas[0].model.set_attn_implementation({"text_config": "sdpa"})
     self_check(engine)
-    assert not engine.packs
+    assert not engine.runner.packs
     assert "each prefill chunk runs a forward of its own" in caplog.text

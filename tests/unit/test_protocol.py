@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -653,52 +649,6 @@ def test_stream_line_keeps_non_ascii_as_utf8() -> None:
     assert stream_line({"text": "é"}) == '{"text":"é"}\n'.encode()
 
 
-# -- the pure layers stay torch-free -------------------------------------------------------
-
-
-def test_pure_layers_do_not_import_torch() -> None:
-    code = (
-        "import sys\n"
-        "import llava.core.errors, llava.api.session_api, llava.sessions.store\n"
-        "import llava.core.config, llava.server.service\n"
-        "import llava.fronts.torchserve.handler\n"
-        "heavy = sorted(m for m in ('torch', 'transformers') if m in sys.modules)\n"
-        "print(','.join(heavy))\n"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == ""
-
-
-def test_the_server_never_imports_the_chat_page_or_gradio() -> None:
-    code = (
-        "import sys\n"
-        "import llava.fronts.torchserve.handler, llava.server.service, llava.engine\n"
-        "import llava.fronts.local_runtime.server\n"
-        "import importlib; importlib.import_module('llava_handler')\n"
-        "print(','.join(sorted(m for m in sys.modules if m.split('.')[0] in "
-        "('gradio', 'llava.tools.chat_page') or m.startswith('llava.tools.chat_page'))))\n"
-    )
-    handler_dir = Path(__file__).resolve().parents[2] / "handler"
-    env = {
-        **os.environ,
-        "PYTHONPATH": f"{handler_dir}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-    }
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        env=env,
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == ""
-
-
-# -- AWS's requestType convention and the AWS LLaVA sample's bodies ---------------------------
 def test_request_type_new_session_opens_with_the_kits_image_field() -> None:
     request = parse_request(json.dumps({"requestType": "NEW_SESSION", "image": "https://x/y"}), {})
     assert request == OpenSession(image="https://x/y")

@@ -16,7 +16,8 @@ from llava.sessions.registry import (
     SessionRegistry,
     registry_path,
 )
-from llava.sessions.store import CLOSED, EXPIRED, LOST, SessionStore
+from llava.sessions.session import CLOSED, EXPIRED, LOST
+from llava.sessions.store import SessionStore
 
 NOW = 1_700_000_000.0
 

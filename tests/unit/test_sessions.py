@@ -16,7 +16,8 @@ from llava.core.errors import (
     SessionNotFound,
 )
 from llava.core.ids import SESSION_ID_RE, is_valid_session_id, new_session_id
-from llava.sessions.store import Session, SessionStore
+from llava.sessions.session import Session
+from llava.sessions.store import SessionStore
 
 TTL = 60.0
 WALL0 = 1_700_000_000.0

@@ -50,7 +50,7 @@ def fault(
 ) -> Iterator[list[int]]:
     """Raise from the middle decoder layer on the next `times` forwards whose hidden states'
     shape matches `when`; yield a list that records each shape it fired on."""
-    layers = engine.replicas[0].model.model.language_model.layers
+    layers = engine.runner.replicas[0].model.model.language_model.layers
     fired: list[Any] = []
 
     def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -127,10 +127,10 @@ def test_a_fault_in_a_prefill_chunk_leaves_the_session_as_before(engine, referen
 
 def test_a_fault_while_opening_frees_the_state_and_the_next_open_works(engine, reference) -> None:
     image = make_image(3)
-    sessions = engine.replicas[0].sessions
+    sessions = engine.runner.replicas[0].sessions
     with fault(engine, prefill) as fired, pytest.raises(RuntimeError, match="injected"):
         engine.open_session(image)
-    assert fired and engine.replicas[0].sessions == sessions
+    assert fired and engine.runner.replicas[0].sessions == sessions
     state = engine.open_session(image)
     assert [ask(engine, state, p) for p in PROMPTS] == reference.answers(image, PROMPTS, 8)
 
@@ -263,7 +263,7 @@ class SeededImages:
 def test_out_of_memory_frees_idle_sessions_and_retries_once(engine, reference) -> None:
     memory = TieredMemory(engine, None, None)
     store = SessionStore(memory=memory, release=lambda s, r: engine.release(s.state))
-    service = SessionService(engine, store, SeededImages(), limits=engine.config.limits)
+    service = SessionService(engine, store, SeededImages(), limits=engine.runner.config.limits)
     try:
         opens = [
             (f"o{i}", {"type": "open_session", "image": f"https://images.test/{30 + i}"}, {})

@@ -1,1 +1,1 @@
-"""TODO"""
+"""Choosing tokens: sampling, stacked decode batches, turning tokens into text."""

@@ -1,1 +1,1 @@
-"""TODO"""
+"""The model on its device: loading, the vision tower, forwards (packed or not), KV caches."""

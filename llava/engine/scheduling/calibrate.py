@@ -27,7 +27,7 @@ from llava.engine.model.vision import image_features, process_images
 from llava.engine.scheduling.pacing import StepPacer
 
 if TYPE_CHECKING:
-    from llava.engine.engine import LlavaEngine
+    from llava.engine.runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -48,24 +48,24 @@ def _best_of(runs: int, fn: Callable[[], object], sync: Callable[[], None]) -> f
 
 
 @torch.inference_mode()
-def calibrate(engine: LlavaEngine) -> StepPacer:
+def calibrate(runner: ModelRunner) -> StepPacer:
     """Time the loaded model's step pieces; return a pacer starting from them."""
     from PIL import Image
 
-    replica = engine.replicas[0]
+    replica = runner.replicas[0]
     device = replica.device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    filler = engine.tokenizer.eos_token_id or 0
+    filler = runner.tokenizer.eos_token_id or 0
     blank = Image.new("RGB", (336, 336))
-    processed = process_images(engine.processor, [blank], engine.image_token_id)
+    processed = process_images(runner.processor, [blank], runner.image_token_id)
     context = max(processed.total, PROBE)
 
-    cache = new_cache(engine.num_layers)
-    engine.forward(replica, cache, [filler] * context, None, 0)
+    cache = new_cache(runner.num_layers)
+    runner.forward(replica, cache, [filler] * context, None, 0)
 
     def forward(tokens: int) -> Callable[[], None]:
         def run() -> None:  # a forward over the image's worth of cache, then cut back
-            engine.forward(replica, cache, [filler] * tokens, None, 0)
+            runner.forward(replica, cache, [filler] * tokens, None, 0)
             crop_to(cache, context)
 
         return run
@@ -79,13 +79,13 @@ def calibrate(engine: LlavaEngine) -> StepPacer:
     fixed = max(short - SHORT * per_token, 0.0)
     tower = _best_of(2, lambda: image_features(replica.model, processed, device), sync)
     rider = None
-    if engine.packs:  # a chunk of SHORT tokens packed beside a decode: what it adds
-        other = new_cache(engine.num_layers)
-        engine.forward(replica, other, [filler] * context, None, 0)
+    if runner.packs:  # a chunk of SHORT tokens packed beside a decode: what it adds
+        other = new_cache(runner.num_layers)
+        runner.forward(replica, other, [filler] * context, None, 0)
 
         def packed() -> None:
             pieces = [Piece(other, [filler]), Piece(cache, [filler] * SHORT)]
-            packed_forward(replica.model, pieces, engine.image_token_id)
+            packed_forward(replica.model, pieces, runner.image_token_id)
             crop_to(other, context)
             crop_to(cache, context)
 

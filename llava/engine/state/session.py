@@ -4,25 +4,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 import torch
 from transformers import DynamicCache
 
 from llava.core.params import GenerationParams
+from llava.core.tiers import Tier
 from llava.engine.decoding.sampling import Detokenizer
 from llava.engine.model.cache import cache_tensors
 from llava.engine.state.chat import Exchange
 from llava.engine.state.imageset import ImageSet
-
-
-class Tier(str, Enum):
-    """Where a session's state lives; each step down frees memory and costs a little latency."""
-
-    DEVICE = "device"  # KV cache on the replica's device: the next turn prefills only itself
-    HOST = "host"  # KV cache in host memory: copied back on the next turn
-    FEATURES = "features"  # only the image features: the prefix is recomputed on the next turn
 
 
 @dataclass(eq=False)

@@ -27,9 +27,10 @@ from PIL import Image
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
+from llava.core.tiers import Tier
 from llava.engine.state.chat import Exchange
 from llava.engine.state.imageset import ImageSet
-from llava.engine.state.session import Replica, SessionState, Tier
+from llava.engine.state.session import Replica, SessionState
 
 FORMAT = "llava-session-snapshot/1"
 

@@ -11,10 +11,11 @@ import torch
 from transformers import DynamicCache
 
 from llava.core.errors import InvalidRequest
+from llava.core.tiers import Tier
 from llava.engine.model.cache import assign, crop_to, move_cache, new_cache
 from llava.engine.model.loading import HOST
 from llava.engine.state.chat import ChatFormatter, common_prefix
-from llava.engine.state.session import SessionState, Tier
+from llava.engine.state.session import SessionState
 
 
 @torch.inference_mode()  # the caches are inference tensors: edit them in this mode

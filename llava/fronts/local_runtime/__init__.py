@@ -1,1 +1,1 @@
-"""TODO"""
+"""A local SageMaker runtime: boto3's calls, sticky routing, local TorchServes."""

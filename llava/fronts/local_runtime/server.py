@@ -31,108 +31,27 @@ from __future__ import annotations
 import json
 import logging
 import re
-import signal
-import struct
 import sys
 import threading
-import time
 import uuid
-from binascii import crc32
 from collections.abc import Iterator, Mapping, Sequence
-from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import httpx
 
 from llava.api.headers import CLOSED_SESSION_HEADER, NEW_SESSION, NEW_SESSION_HEADER, SESSION_HEADER
-from llava.core.ids import SESSION_ID_MAX_LEN, SESSION_ID_RE
 from llava.core.params import MAX_BODY_BYTES
-from llava.core.paths import SAMPLE_IMAGE
+from llava.fronts.local_runtime.eventstream import exception_event, payload_part
+from llava.fronts.local_runtime.router import Refusal, StickyRouter, check_session_id
 
 log = logging.getLogger(__name__)
 
 EVENTSTREAM_CONTENT_TYPE = "application/vnd.amazon.eventstream"
 CUSTOM_ATTRIBUTES_HEADER = "X-Amzn-SageMaker-Custom-Attributes"
 _PATH = re.compile(r"/endpoints/([^/]+)/(invocations|invocations-response-stream)")
-_EXPIRES = re.compile(r"Expires=(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ)")
-_ID_PATTERN = "^[a-zA-Z0-9](-*[a-zA-Z0-9])*$"
-_ID_OR_NEW_PATTERN = "^(NEW_SESSION)$|^[a-zA-Z0-9](-*[a-zA-Z0-9])*$"
 _CORAL = "http://internal.amazon.com/coral/com.amazon.sagemaker/"
-
-
-# --------------------------------------------------------------------------- event stream
-
-
-def encode_event(headers: Mapping[str, str | bytes | bool | int], payload: bytes) -> bytes:
-    """Encode one AWS event-stream message (what botocore's `EventStreamBuffer` decodes).
-
-    Layout: prelude (total length, headers length: big-endian uint32 each; CRC32 of those 8
-    bytes), headers (name length byte, name, type byte, value), payload, CRC32 of everything.
-    """
-    encoded = b"".join(_encode_header(name, value) for name, value in headers.items())
-    total = 12 + len(encoded) + len(payload) + 4
-    prelude = struct.pack("!II", total, len(encoded))
-    message = prelude + struct.pack("!I", crc32(prelude) & 0xFFFFFFFF) + encoded + payload
-    return message + struct.pack("!I", crc32(message) & 0xFFFFFFFF)
-
-
-def _encode_header(name: str, value: str | bytes | bool | int) -> bytes:
-    raw_name = name.encode()
-    if len(raw_name) > 255:
-        raise ValueError(f"header name too long: {name!r}")
-    out = struct.pack("!B", len(raw_name)) + raw_name
-    if isinstance(value, bool):
-        return out + struct.pack("!B", 0 if value else 1)  # 0 = true, 1 = false
-    if isinstance(value, int):
-        return out + struct.pack("!Bq", 5, value)  # int64
-    if isinstance(value, bytes):
-        return out + struct.pack("!BH", 6, len(value)) + value
-    data = value.encode()
-    return out + struct.pack("!BH", 7, len(data)) + data
-
-
-def payload_part(data: bytes) -> bytes:
-    """A `PayloadPart` event: its payload is the `Bytes` blob (the member is `eventpayload`)."""
-    return encode_event(
-        {
-            ":event-type": "PayloadPart",
-            ":content-type": "application/octet-stream",
-            ":message-type": "event",
-        },
-        data,
-    )
-
-
-def exception_event(exception_type: str, message: str, **fields: Any) -> bytes:
-    """A modeled exception event (`ModelStreamError`, `InternalStreamFailure`)."""
-    body = json.dumps({"Message": message, **fields}).encode()
-    return encode_event(
-        {
-            ":exception-type": exception_type,
-            ":content-type": "application/json",
-            ":message-type": "exception",
-        },
-        body,
-    )
-
-
-# --------------------------------------------------------------------------- the runtime
-
-
-class _Refusal(Exception):
-    """An error the runtime itself answers with (the router's, not the container's)."""
-
-    def __init__(self, status: int, error_type: str, message: str, **fields: Any) -> None:
-        super().__init__(message)
-        self.status, self.error_type, self.message, self.fields = (
-            status,
-            error_type,
-            message,
-            fields,
-        )
 
 
 class LocalRuntime:
@@ -167,10 +86,7 @@ class LocalRuntime:
         self.account = account
         self.enforce_expiry = enforce_expiry
         self._requested_port = port
-        self._routes: dict[str, tuple[int, float | None]] = {}
-        self._inflight = [0] * len(self.instances)
-        self._next = 0
-        self._lock = threading.Lock()
+        self.router = StickyRouter(len(self.instances), name, enforce_expiry=enforce_expiry)
         n = 8 * len(self.instances) + 8
         self._http = httpx.Client(
             timeout=httpx.Timeout(timeout_s, connect=5.0),
@@ -216,62 +132,10 @@ class LocalRuntime:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    # -- routing
-
     @property
     def routes(self) -> dict[str, int]:
         """A copy of the sticky routing table: session id -> instance index."""
-        with self._lock:
-            return {sid: index for sid, (index, _) in self._routes.items()}
-
-    def _pick(self) -> int:
-        """The least-loaded instance (pinned sessions + requests in flight), round-robin on ties."""
-        with self._lock:
-            pinned = [0] * len(self.instances)
-            for index, _ in self._routes.values():
-                pinned[index] += 1
-            order = [(self._next + k) % len(self.instances) for k in range(len(self.instances))]
-            best = min(order, key=lambda i: (pinned[i] + self._inflight[i], order.index(i)))
-            self._next = (best + 1) % len(self.instances)
-            return best
-
-    def _lookup(self, sid: str) -> int:
-        with self._lock:
-            entry = self._routes.get(sid)
-            expires = entry[1] if entry is not None and self.enforce_expiry else None
-            if expires is not None and time.time() >= expires:
-                del self._routes[sid]
-                entry = None
-        if entry is None:
-            raise _Refusal(
-                400,
-                "ValidationError",
-                f"Session id {sid} of endpoint {self.name} is not found, closed or expired.",
-            )
-        return entry[0]
-
-    def _pin(self, value: str, index: int) -> str:
-        sid = value.split(";", 1)[0].strip()
-        match = _EXPIRES.search(value)
-        expires = None
-        if match:
-            expires = (
-                datetime.strptime(match.group(1), "%Y-%m-%dT%H:%M:%SZ")
-                .replace(tzinfo=timezone.utc)
-                .timestamp()
-            )
-        with self._lock:
-            old = self._routes.get(sid)
-            if old is not None and old[0] != index:
-                log.warning("session id %s reused by instance %d (was %d)", sid, index, old[0])
-            self._routes[sid] = (index, expires)
-        return sid
-
-    def _unpin(self, sid: str, index: int) -> None:
-        with self._lock:
-            entry = self._routes.get(sid)
-            if entry is not None and entry[0] == index:
-                del self._routes[sid]
+        return self.router.routes
 
     # -- one request
 
@@ -281,16 +145,16 @@ class LocalRuntime:
         try:
             match = _PATH.fullmatch(urlsplit(h.path).path)
             if match is None:
-                raise _Refusal(404, "UnknownOperationException", f"no operation at {h.path}")
+                raise Refusal(404, "UnknownOperationException", f"no operation at {h.path}")
             name, operation = unquote(match.group(1)), match.group(2)
             if name != self.name:
-                raise _Refusal(
+                raise Refusal(
                     400,
                     "ValidationError",
                     f"Endpoint {name} of account {self.account} not found.",
                 )
             if length > MAX_BODY_BYTES:
-                raise _Refusal(
+                raise Refusal(
                     413,
                     "ValidationError",
                     f"Request body is {length} bytes; the limit is {MAX_BODY_BYTES}.",
@@ -298,44 +162,26 @@ class LocalRuntime:
             streaming = operation == "invocations-response-stream"
             sid = h.headers.get(SESSION_HEADER)
             sid = sid.strip() if sid is not None else None
-            self._check_session_id(sid, streaming)
-            opening = sid in (None, NEW_SESSION)
-            index = self._pick() if sid is None or sid == NEW_SESSION else self._lookup(sid)
+            check_session_id(sid, streaming)
+            opening = sid is None or sid == NEW_SESSION
+            index = (
+                self.router.pick() if sid is None or sid == NEW_SESSION else self.router.lookup(sid)
+            )
             headers = self._forward_headers(h, streaming)
             url = self.instances[index] + "/invocations"
-            with self._lock:
-                self._inflight[index] += 1
-            try:
+            with self.router.in_flight(index):
                 if streaming:
                     self._stream(h, url, body, headers)
                 else:
                     self._invoke(h, url, body, headers, index, opening)
-            finally:
-                with self._lock:
-                    self._inflight[index] -= 1
-        except _Refusal as refusal:
+        except Refusal as refusal:
             self._refuse(h, refusal)
         except (BrokenPipeError, ConnectionResetError):
             h.close_connection = True
         except Exception as exc:  # a bug here: answer like the service would, keep serving
             log.exception("local runtime failed on %s", h.path)
             h.close_connection = True
-            self._refuse(h, _Refusal(500, "InternalFailure", f"{type(exc).__name__}: {exc}"))
-
-    def _check_session_id(self, sid: str | None, streaming: bool) -> None:
-        if sid is None:
-            return
-        ok = len(sid) <= SESSION_ID_MAX_LEN and (
-            SESSION_ID_RE.fullmatch(sid) is not None or (sid == NEW_SESSION and not streaming)
-        )
-        if not ok:
-            pattern = _ID_PATTERN if streaming else _ID_OR_NEW_PATTERN
-            raise _Refusal(
-                400,
-                "ValidationError",
-                f"1 validation error detected: Value '{sid[:300]}' at 'sessionId' failed to "
-                f"satisfy constraint: Member must satisfy regular expression pattern: {pattern}",
-            )
+            self._refuse(h, Refusal(500, "InternalFailure", f"{type(exc).__name__}: {exc}"))
 
     @staticmethod
     def _forward_headers(h: _Handler, streaming: bool) -> dict[str, str]:
@@ -372,13 +218,13 @@ class LocalRuntime:
             new = r.headers[SESSION_HEADER]
         if new:
             if opening:
-                self._pin(new, index)
+                self.router.pin(new, index)
                 out[NEW_SESSION_HEADER] = new.strip()
             else:
                 log.warning("instance %d sent a new session id on a session request", index)
         closed = r.headers.get(CLOSED_SESSION_HEADER)
         if closed:
-            self._unpin(closed.strip(), index)
+            self.router.unpin(closed.strip(), index)
             out[CLOSED_SESSION_HEADER] = closed.strip()
         if CUSTOM_ATTRIBUTES_HEADER in r.headers:
             out[CUSTOM_ATTRIBUTES_HEADER] = r.headers[CUSTOM_ATTRIBUTES_HEADER]
@@ -412,14 +258,14 @@ class LocalRuntime:
         finally:
             r.close()
 
-    def _unreachable(self, exc: Exception) -> _Refusal:
+    def _unreachable(self, exc: Exception) -> Refusal:
         # A container that does not answer in time is reported as a ModelError without an
         # OriginalStatusCode (SageMaker words it "server error (0)").
         message = (
             'Received server error (0) from primary with message "Your invocation timed out '
             f'while waiting for a response from container primary." ({type(exc).__name__})'
         )
-        return _Refusal(424, "ModelError", message, LogStreamArn=self._log_stream_arn())
+        return Refusal(424, "ModelError", message, LogStreamArn=self._log_stream_arn())
 
     def _log_stream_arn(self) -> str:
         return (
@@ -438,7 +284,7 @@ class LocalRuntime:
         )
         self._refuse(
             h,
-            _Refusal(
+            Refusal(
                 424,
                 "ModelError",
                 message,
@@ -448,7 +294,7 @@ class LocalRuntime:
             ),
         )
 
-    def _refuse(self, h: _Handler, refusal: _Refusal) -> None:
+    def _refuse(self, h: _Handler, refusal: Refusal) -> None:
         """An error in the shape botocore's rest-json parser reads: code in x-amzn-ErrorType."""
         body = json.dumps({"Message": refusal.message, **refusal.fields}).encode()
         headers = {
@@ -538,7 +384,7 @@ class _Handler(BaseHTTPRequestHandler):
         if urlsplit(self.path).path == "/ping":
             self.server.runtime._send(self, 200, {"Content-Type": "text/plain"}, b"")
             return
-        refusal = _Refusal(404, "UnknownOperationException", f"no operation at {self.path}")
+        refusal = Refusal(404, "UnknownOperationException", f"no operation at {self.path}")
         self.server.runtime._refuse(self, refusal)
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
@@ -546,81 +392,3 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 # --------------------------------------------------------------------------- the command
-
-
-BANNER = """
-Local SageMaker runtime for endpoint '{name}' on {url}
-({n} TorchServe instance(s) of model '{model}' on ports {ports}). In another terminal:
-
-  export AWS_ENDPOINT_URL_SAGEMAKER_RUNTIME={url}
-  export AWS_ACCESS_KEY_ID=local AWS_SECRET_ACCESS_KEY=local AWS_DEFAULT_REGION=us-east-1
-  {python} - <<'EOF'
-from llava.client import SessionClient
-client = SessionClient.for_endpoint("{name}")
-with client.session(image="{sample}") as s:
-    print(s.ask("What is in the picture?", max_new_tokens=32).text)
-    for delta in s.stream("And the colors?", max_new_tokens=32):
-        print(delta, end="", flush=True)
-    print()
-EOF
-
-Stop everything with Ctrl-C.
-"""
-
-
-def serve(
-    *,
-    host: str = "127.0.0.1",
-    port: int = 8090,
-    name: str = "llava",
-    instances: int = 2,
-    model_store: str | Path = "model-store",
-    model: str = "llava",
-) -> None:
-    """Start `instances` TorchServes and the runtime in front; block until Ctrl-C, then stop."""
-    import sys
-    from concurrent.futures import ThreadPoolExecutor
-
-    from llava.fronts.torchserve.launcher import TorchServe
-
-    store = Path(model_store)
-    if not (store / model).exists() and not any(store.glob(f"{model}.*")):
-        raise SystemExit(f"no model '{model}' in {store}: build it first with `make archive`")
-    if instances < 1:
-        raise SystemExit("--instances must be at least 1")
-    servers = [TorchServe(store, model) for _ in range(instances)]
-    runtime: LocalRuntime | None = None
-    previous = signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        print(f"starting {instances} TorchServe instance(s)...", flush=True)
-        with ThreadPoolExecutor(instances) as pool:
-            for future in [pool.submit(ts.start) for ts in servers]:
-                future.result()
-        runtime = LocalRuntime([ts.url() for ts in servers], name=name, host=host, port=port)
-        runtime.start()
-        sample = SAMPLE_IMAGE
-        print(
-            BANNER.format(
-                name=name,
-                url=runtime.url,
-                n=instances,
-                model=model,
-                ports=", ".join(str(ts.port) for ts in servers),
-                python=sys.executable,
-                sample=sample,
-            ),
-            flush=True,
-        )
-        threading.Event().wait()
-    except KeyboardInterrupt:
-        print("\nstopping...", flush=True)
-    finally:
-        if runtime is not None:
-            runtime.stop()
-        for ts in servers:
-            ts.stop()
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt

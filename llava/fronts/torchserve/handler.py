@@ -121,8 +121,9 @@ class SessionHandler:
         from llava.images import ImageLoader, ImagePolicy
         from llava.server.contract import Engine
         from llava.sessions.memory import TieredMemory
+        from llava.sessions.session import LOST, Session
         from llava.sessions.snapshots import recover
-        from llava.sessions.store import LOST, Session, SessionStore
+        from llava.sessions.store import SessionStore
 
         model_dir = Path(context.system_properties.get("model_dir"))
         section = (getattr(context, "model_yaml_config", None) or {}).get("handler")
@@ -137,7 +138,7 @@ class SessionHandler:
         llava_engine = LlavaEngine.load(model_dir, config)
         engine: Engine[SessionState, Turn] = llava_engine  # mypy checks the contract here
         budgets = derive_budgets(
-            [r.device for r in llava_engine.replicas],
+            [r.device for r in llava_engine.runner.replicas],
             config.device_budget_bytes,
             config.host_budget_bytes,
         )

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 
-def _client(service: str, client: Any, region: str | None = None) -> Any:
+def aws_client(service: str, client: Any, region: str | None = None) -> Any:
     if client is not None:
         return client
     import boto3
@@ -18,7 +18,7 @@ def _error_code(err: Exception) -> str:
     return getattr(err, "response", {}).get("Error", {}).get("Code", "")
 
 
-def _is_missing(err: Exception) -> bool:
+def is_missing(err: Exception) -> bool:
     """SageMaker answers a missing resource with ValidationException 'Could not find ...'."""
     from botocore.exceptions import ClientError
 
@@ -33,16 +33,16 @@ def _is_missing(err: Exception) -> bool:
     )
 
 
-def _describe_or_none(call: Callable[..., dict[str, Any]], **params: Any) -> dict[str, Any] | None:
+def describe_or_none(call: Callable[..., dict[str, Any]], **params: Any) -> dict[str, Any] | None:
     try:
         return call(**params)
     except Exception as exc:
-        if _is_missing(exc):
+        if is_missing(exc):
             return None
         raise
 
 
-def _paginate(sm: Any, operation: str, key: str, **params: Any) -> list[dict[str, Any]]:
+def paginate(sm: Any, operation: str, key: str, **params: Any) -> list[dict[str, Any]]:
     items: list[dict[str, Any]] = []
     for page in sm.get_paginator(operation).paginate(**params):
         items.extend(page.get(key, []))

@@ -6,7 +6,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from llava.tools.archive import add_model_arguments
-from llava.tools.deploy.aws import _describe_or_none
+from llava.tools.deploy.aws import describe_or_none
 from llava.tools.deploy.discover import discover_bucket, discover_role
 from llava.tools.deploy.endpoint import Deployment, deploy
 from llava.tools.deploy.errors import DeployError, EndpointExistsError
@@ -130,7 +130,7 @@ def run_deploy(args: Any) -> Deployment:
             memory_mb=args.memory_mb,
             copy_count=args.copy_count,
         )
-        existing = _describe_or_none(sm.describe_endpoint, EndpointName=name)
+        existing = describe_or_none(sm.describe_endpoint, EndpointName=name)
         if existing is not None and not args.update:  # fail before a long build and upload
             raise EndpointExistsError(
                 f"endpoint {name!r} already exists ({existing.get('EndpointStatus')}): delete it "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from llava.tools.deploy.aws import _client
+from llava.tools.deploy.aws import aws_client
 from llava.tools.deploy.errors import DeployError
 
 
@@ -36,11 +36,11 @@ def discover_bucket(
 
     Computed with boto3 alone (the SDK would create the bucket; this never creates one).
     """
-    sts = _client("sts", sts_client, region)
+    sts = aws_client("sts", sts_client, region)
     account = sts.get_caller_identity()["Account"]
     region = region or getattr(sts.meta, "region_name", None) or os.environ.get("AWS_REGION")
     bucket = f"sagemaker-{region}-{account}"
-    s3 = _client("s3", s3_client, region)
+    s3 = aws_client("s3", s3_client, region)
     try:
         s3.head_bucket(Bucket=bucket)
     except Exception as exc:

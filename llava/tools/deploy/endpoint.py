@@ -11,12 +11,12 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from llava.tools.deploy.aws import _client, _describe_or_none, _is_missing
+from llava.tools.deploy.aws import aws_client, describe_or_none, is_missing
 from llava.tools.deploy.errors import DeployError, DeploymentFailedError, EndpointExistsError
 from llava.tools.deploy.names import resource_name
-from llava.tools.deploy.progress import Progress, _stderr
+from llava.tools.deploy.progress import Progress, print_stderr
 from llava.tools.deploy.spec import DeploySpec
-from llava.tools.deploy.waiting import _wait_status
+from llava.tools.deploy.waiting import wait_status
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ def deploy(
     update: bool = False,
     poll_s: float = 30,
     timeout_s: float | None = None,
-    progress: Progress = _stderr,
+    progress: Progress = print_stderr,
     sleep: Callable[[float], None] = time.sleep,
     clock: Callable[[], float] = time.monotonic,
     now: Callable[[], datetime] = lambda: datetime.now(timezone.utc),
@@ -76,7 +76,7 @@ def deploy(
     endpoint, and returns without waiting for the component. On `Failed`, DeploymentFailedError
     carries FailureReason; the resources are left for inspection (`delete(spec.name)` removes them).
     """
-    sm = _client("sagemaker", sm_client)
+    sm = aws_client("sagemaker", sm_client)
     region = getattr(getattr(sm, "meta", None), "region_name", None)
     timeout = timeout_s or (
         spec.model_data_download_timeout_s + spec.container_startup_health_check_timeout_s + 1800
@@ -87,7 +87,7 @@ def deploy(
     hint = f"\n(see CloudWatch log group /aws/sagemaker/Endpoints/{spec.name}; "
     hint += f"remove it with `python -m llava delete --name {spec.name}`)"
 
-    existing = _describe_or_none(sm.describe_endpoint, EndpointName=spec.name)
+    existing = describe_or_none(sm.describe_endpoint, EndpointName=spec.name)
     if existing is not None:
         if not update:
             raise EndpointExistsError(
@@ -144,7 +144,7 @@ def deploy(
     if not wait and not spec.inference_component:
         return record
 
-    desc = _wait_status(
+    desc = wait_status(
         lambda: sm.describe_endpoint(EndpointName=spec.name),
         what=f"endpoint {spec.name}",
         status_key="EndpointStatus",
@@ -164,7 +164,7 @@ def deploy(
                 reason,
             )
         old_config = existing.get("EndpointConfigName")
-        old = _describe_or_none(sm.describe_endpoint_config, EndpointConfigName=old_config)
+        old = describe_or_none(sm.describe_endpoint_config, EndpointConfigName=old_config)
         stale: list[tuple[str, str]] = [
             ("model", v["ModelName"])
             for v in (old or {}).get("ProductionVariants", [])
@@ -185,7 +185,7 @@ def deploy(
         )
         status = "Creating"
         if wait:
-            ic = _wait_status(
+            ic = wait_status(
                 lambda: sm.describe_inference_component(InferenceComponentName=component_name),
                 what=f"inference component {component_name}",
                 status_key="InferenceComponentStatus",
@@ -209,5 +209,5 @@ def _rollback(
             call(**{key: name})
             progress(f"{verb} {kind} {name}: deleted")
         except Exception as exc:  # keep the original error the one reported
-            if not _is_missing(exc):
+            if not is_missing(exc):
                 progress(f"{verb} {kind} {name}: could not delete ({exc})")

@@ -33,17 +33,17 @@ def validate_name(name: str, what: str = "endpoint name") -> str:
     return name
 
 
-def _base(name: str) -> str:
+def base_name(name: str) -> str:
     return name[: MAX_NAME - STAMP_LEN - 1].rstrip("-")
 
 
 def resource_name(name: str, stamp: str) -> str:
     """`<name>-<stamp>`, with `name` shortened so that the result fits 63 characters."""
-    return validate_name(f"{_base(name)}-{stamp}", "resource name")
+    return validate_name(f"{base_name(name)}-{stamp}", "resource name")
 
 
-def _stamp_pattern(name: str) -> re.Pattern[str]:
-    return re.compile(rf"{re.escape(_base(name))}-{STAMP_RE}")
+def stamp_pattern(name: str) -> re.Pattern[str]:
+    return re.compile(rf"{re.escape(base_name(name))}-{STAMP_RE}")
 
 
 def parse_s3_uri(uri: str, *, require_prefix: bool = True) -> tuple[str, str]:

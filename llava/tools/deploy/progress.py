@@ -9,11 +9,11 @@ Progress = Callable[[str], None]
 ByteProgress = Callable[[int, int], None]
 
 
-def _stderr(line: str) -> None:
+def print_stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def _human(n: float) -> str:
+def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -21,7 +21,7 @@ def _human(n: float) -> str:
     return f"{n:.1f} GiB"  # pragma: no cover
 
 
-def _default_byte_progress(total: int, label: str) -> tuple[ByteProgress, Callable[[], None]]:
+def default_byte_progress(total: int, label: str) -> tuple[ByteProgress, Callable[[], None]]:
     """A tqdm bar on stderr when tqdm is installed, else a line every 5%."""
     try:
         from tqdm.auto import tqdm
@@ -42,12 +42,12 @@ def _default_byte_progress(total: int, label: str) -> tuple[ByteProgress, Callab
         step = int(20 * done / all_bytes) if all_bytes else 20
         if step != last[0]:
             last[0] = step
-            _stderr(f"{label}: {_human(done)} / {_human(all_bytes)} ({5 * step}%)")
+            print_stderr(f"{label}: {human_bytes(done)} / {human_bytes(all_bytes)} ({5 * step}%)")
 
     return report, lambda: None
 
 
-def _elapsed(seconds: float) -> str:
+def format_elapsed(seconds: float) -> str:
     seconds = int(seconds)
     if seconds < 60:
         return f"{seconds}s"

@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from llava.tools.deploy.aws import _client, _describe_or_none, _is_missing, _paginate
-from llava.tools.deploy.names import _base, _stamp_pattern, parse_s3_uri, validate_name
-from llava.tools.deploy.progress import Progress, _stderr
+from llava.tools.deploy.aws import aws_client, describe_or_none, is_missing, paginate
+from llava.tools.deploy.names import base_name, parse_s3_uri, stamp_pattern, validate_name
+from llava.tools.deploy.progress import Progress, print_stderr
 from llava.tools.deploy.upload import delete_s3_prefix
-from llava.tools.deploy.waiting import _wait_gone
+from llava.tools.deploy.waiting import wait_gone
 
 
 @dataclass
@@ -34,7 +34,7 @@ def delete(
     wait: bool = True,
     poll_s: float = 10,
     timeout_s: float = 1800,
-    progress: Progress = _stderr,
+    progress: Progress = print_stderr,
     sleep: Callable[[float], None] = time.sleep,
     clock: Callable[[], float] = time.monotonic,
 ) -> DeleteReport:
@@ -47,7 +47,7 @@ def delete(
     data prefix) and `ecr_repository` (with all its images) are deleted only when given.
     """
     validate_name(name)
-    sm = _client("sagemaker", sm_client)
+    sm = aws_client("sagemaker", sm_client)
     region = getattr(getattr(sm, "meta", None), "region_name", None)
     report = DeleteReport()
     waits: dict[str, Any] = dict(
@@ -67,19 +67,19 @@ def delete(
         try:
             call(**params)
         except Exception as exc:
-            if not _is_missing(exc):
+            if not is_missing(exc):
                 raise
             gone(what)
             return False
         return True
 
-    endpoint = _describe_or_none(sm.describe_endpoint, EndpointName=name)
-    pattern = _stamp_pattern(name)
+    endpoint = describe_or_none(sm.describe_endpoint, EndpointName=name)
+    pattern = stamp_pattern(name)
     config_names: list[str] = []
     if endpoint and endpoint.get("EndpointConfigName"):
         config_names.append(endpoint["EndpointConfigName"])
-    for summary in _paginate(
-        sm, "list_endpoint_configs", "EndpointConfigs", NameContains=_base(name)
+    for summary in paginate(
+        sm, "list_endpoint_configs", "EndpointConfigs", NameContains=base_name(name)
     ):
         if pattern.fullmatch(summary["EndpointConfigName"]):
             config_names.append(summary["EndpointConfigName"])
@@ -87,7 +87,7 @@ def delete(
 
     configs = {}
     for config_name in config_names:
-        desc = _describe_or_none(sm.describe_endpoint_config, EndpointConfigName=config_name)
+        desc = describe_or_none(sm.describe_endpoint_config, EndpointConfigName=config_name)
         if desc is not None:
             configs[config_name] = desc
     model_names = [
@@ -101,21 +101,19 @@ def delete(
     )
 
     if endpoint is not None and component_mode:
-        components = _paginate(
+        components = paginate(
             sm, "list_inference_components", "InferenceComponents", EndpointNameEquals=name
         )
         for summary in components:
             ic_name = summary["InferenceComponentName"]
-            desc = _describe_or_none(
-                sm.describe_inference_component, InferenceComponentName=ic_name
-            )
+            desc = describe_or_none(sm.describe_inference_component, InferenceComponentName=ic_name)
             if desc and desc.get("Specification", {}).get("ModelName"):
                 model_names.append(desc["Specification"]["ModelName"])
             what = f"inference component {ic_name}"
             if not remove(sm.delete_inference_component, what, InferenceComponentName=ic_name):
                 continue
             if wait:
-                _wait_gone(
+                wait_gone(
                     partial(sm.describe_inference_component, InferenceComponentName=ic_name),
                     what=f"inference component {ic_name}",
                     **waits,
@@ -124,12 +122,12 @@ def delete(
 
     if remove(sm.delete_endpoint, f"endpoint {name}", EndpointName=name):
         if wait:
-            _wait_gone(
+            wait_gone(
                 lambda: sm.describe_endpoint(EndpointName=name), what=f"endpoint {name}", **waits
             )
         done(f"endpoint {name}")
 
-    for summary in _paginate(sm, "list_models", "Models", NameContains=_base(name)):
+    for summary in paginate(sm, "list_models", "Models", NameContains=base_name(name)):
         if pattern.fullmatch(summary["ModelName"]):
             model_names.append(summary["ModelName"])
     if not config_names:
@@ -146,18 +144,18 @@ def delete(
 
     if s3_uri:
         bucket, prefix = parse_s3_uri(s3_uri)
-        count = delete_s3_prefix(s3_uri, s3_client=_client("s3", s3_client, region))
+        count = delete_s3_prefix(s3_uri, s3_client=aws_client("s3", s3_client, region))
         if count:
             done(f"{count} objects under s3://{bucket}/{prefix}")
         else:
             gone(f"objects under s3://{bucket}/{prefix}")
     if ecr_repository:
-        ecr = _client("ecr", ecr_client, region)
+        ecr = aws_client("ecr", ecr_client, region)
         try:
             ecr.delete_repository(repositoryName=ecr_repository, force=True)
             done(f"ECR repository {ecr_repository}")
         except Exception as exc:
-            if not _is_missing(exc):
+            if not is_missing(exc):
                 raise
             gone(f"ECR repository {ecr_repository}")
     return report

@@ -7,10 +7,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from llava.tools.deploy.aws import _client
+from llava.tools.deploy.aws import aws_client
 from llava.tools.deploy.errors import DeployError
 from llava.tools.deploy.names import parse_s3_uri
-from llava.tools.deploy.progress import ByteProgress, _default_byte_progress, _human, _stderr
+from llava.tools.deploy.progress import (
+    ByteProgress,
+    default_byte_progress,
+    human_bytes,
+    print_stderr,
+)
 
 MULTIPART_BYTES = 64 * 1024 * 1024
 
@@ -43,7 +48,7 @@ def upload_archive(
             "model-store/llava), not a .mar or .tar.gz"
         )
     bucket, prefix = parse_s3_uri(s3_uri)
-    s3 = _client("s3", s3_client)
+    s3 = aws_client("s3", s3_client)
     files = sorted(p for p in root.rglob("*") if p.is_file())
     keys = {prefix + p.relative_to(root).as_posix(): p for p in files}
 
@@ -60,10 +65,12 @@ def upload_archive(
 
     total = sum(p.stat().st_size for p in files)
     label = "upload"
-    _stderr(f"uploading {len(files)} files ({_human(total)}) from {root} to s3://{bucket}/{prefix}")
+    print_stderr(
+        f"uploading {len(files)} files ({human_bytes(total)}) from {root} to s3://{bucket}/{prefix}"
+    )
     close: Callable[[], None] = lambda: None  # noqa: E731
     if progress is None:
-        progress, close = _default_byte_progress(total, label)
+        progress, close = default_byte_progress(total, label)
     if transfer_config is None:
         from boto3.s3.transfer import TransferConfig
 
@@ -92,7 +99,7 @@ def upload_archive(
 def delete_s3_prefix(s3_uri: str, *, s3_client: Any = None) -> int:
     """Delete every object under an S3 prefix (never a whole bucket); return how many."""
     bucket, prefix = parse_s3_uri(s3_uri)
-    s3 = _client("s3", s3_client)
+    s3 = aws_client("s3", s3_client)
     count = 0
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
         objects = [{"Key": o["Key"]} for o in page.get("Contents", [])]

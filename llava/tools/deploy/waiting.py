@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from llava.tools.deploy.aws import _is_missing
+from llava.tools.deploy.aws import is_missing
 from llava.tools.deploy.errors import DeployError, DeploymentFailedError
-from llava.tools.deploy.progress import Progress, _elapsed
+from llava.tools.deploy.progress import Progress, format_elapsed
 
 
-def _wait_status(
+def wait_status(
     describe: Callable[[], dict[str, Any]],
     *,
     what: str,
@@ -30,7 +30,7 @@ def _wait_status(
         desc = describe()
         status = desc.get(status_key, "?")
         elapsed = clock() - start
-        progress(f"{what}: {status} ({_elapsed(elapsed)} elapsed)")
+        progress(f"{what}: {status} ({format_elapsed(elapsed)} elapsed)")
         if status in failed:
             reason = desc.get("FailureReason") or "SageMaker gave no FailureReason"
             raise DeploymentFailedError(f"{what} is {status}: {reason}{hint}", reason)
@@ -38,12 +38,13 @@ def _wait_status(
             return desc
         if elapsed >= timeout_s:
             raise DeployError(
-                f"{what} is still {status} after {_elapsed(elapsed)}; nothing was deleted" + hint
+                f"{what} is still {status} after {format_elapsed(elapsed)}; nothing was deleted"
+                + hint
             )
         sleep(poll_s)
 
 
-def _wait_gone(
+def wait_gone(
     describe: Callable[[], Any],
     *,
     what: str,
@@ -58,13 +59,13 @@ def _wait_gone(
         try:
             desc = describe()
         except Exception as exc:
-            if _is_missing(exc):
-                progress(f"{what}: deleted ({_elapsed(clock() - start)})")
+            if is_missing(exc):
+                progress(f"{what}: deleted ({format_elapsed(clock() - start)})")
                 return
             raise
         elapsed = clock() - start
         status = desc.get("EndpointStatus") or desc.get("InferenceComponentStatus") or "?"
-        progress(f"{what}: {status} ({_elapsed(elapsed)} elapsed)")
+        progress(f"{what}: {status} ({format_elapsed(elapsed)} elapsed)")
         if elapsed >= timeout_s:
-            raise DeployError(f"{what} is still {status} after {_elapsed(elapsed)}")
+            raise DeployError(f"{what} is still {status} after {format_elapsed(elapsed)}")
         sleep(poll_s)
