@@ -8,8 +8,8 @@ from helpers import Reference, make_image
 from llava.core.config import ServerConfig
 from llava.core.errors import SessionExpired
 from llava.core.params import GenerationParams
-from llava.engine import LlavaEngine
-from llava.engine.selfcheck import Tier, self_check
+from llava.engine import LlavaEngine, Tier
+from llava.engine.selfcheck import self_check
 from llava.sessions.memory import TieredMemory
 from llava.sessions.store import SessionStore
 
