@@ -65,7 +65,8 @@ RUN python /opt/llava-sessions/base_constraints.py > /opt/llava-sessions/constra
 # TorchServe reads TS_<KEY> variables, and they take precedence over that file. Any of these can be
 # changed per deployment through the SageMaker model's Environment without rebuilding.
 #   TS_DEFAULT_RESPONSE_TIMEOUT: seconds TorchServe waits for each handler message before it kills
-#     and restarts the worker - which loses every session held in that worker's memory - so it is
+#     and restarts the worker - which loses the answers being generated (sessions come back from
+#     their snapshots, at their last finished turn) - so it is
 #     set well above the slowest legitimate generation. (It overrides the toolkit's
 #     SAGEMAKER_MODEL_SERVER_TIMEOUT; a per-model responseTimeout in model-config.yaml wins over
 #     both.) SageMaker's own 60 s limit on non-streaming responses is enforced at the router.

@@ -1,4 +1,4 @@
-"""Print the README's table of supported checkpoints: image tokens per image and session memory.
+"""Print docs/models.md's table of supported checkpoints: image tokens per image and session memory.
 
 Token counts come from transformers' own processors (their `_get_number_of_features`, the code
 that expands `<image>`), configured as the llava-hf repositories are; the KV-cache size per token

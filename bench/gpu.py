@@ -11,7 +11,7 @@ Builds a random-weight checkpoint with llava-1.5-7b's real shapes directly on th
 - the longest stream gap while 4 sessions open, and capacity under the SLO: the highest rate of
   arriving 4-turn conversations held with p95 follow-up TTFT under 1 s (bench/load.py);
 - GPU bytes per session, just opened and after 4 turns (the sessions' own `usage`).
-Results: bench/results/gpu/ (JSON, PNG, and summary.md: the README's table, naming the GPU).
+Results: bench/results/gpu/ (JSON, PNG, and summary.md: the table for docs/performance.md).
 """
 
 from __future__ import annotations

@@ -72,6 +72,6 @@ def checkpoint_family(model_dir: Path) -> Family:
     if not config_file.is_file():
         raise FileNotFoundError(
             f"{model_dir} has no config.json: point the archive at a LLaVA checkpoint "
-            "directory (see README, 'Serving real weights')"
+            "directory (see docs/models.md)"
         )
     return check_model_type(json.loads(config_file.read_text()).get("model_type"), str(model_dir))

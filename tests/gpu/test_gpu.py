@@ -158,15 +158,15 @@ def test_a_real_out_of_memory_error_leaves_every_session_intact(family, gpu: Set
         finally:
             del blocker
             torch.cuda.empty_cache()
-        assert status in (200, 503), body
-        if status == 503:
-            assert body["error"]["code"] == "out_of_device_memory"
+        # The retry, after the three idle sessions (about 300 MB of cache each at these shapes)
+        # moved to host memory, finds room for the question's activations.
+        assert status == 200, body
         idle = [store.get(sid).state.tier for sid in sids[1:]]
         assert set(idle) == {Tier.HOST}, idle  # moved off the device to make room
         # Every session, the one that ran out included, is exactly as before (plus the long
         # answer, if the retry got it): its next answer is the pipeline's.
         for i, sid in enumerate(sids):
-            past = [question] if i == 0 and status == 200 else []
+            past = [question] if i == 0 else []
             asked = {"type": "query", "prompt": PROMPTS[0], "max_new_tokens": TOKENS}
             got, answer = serve_rows(service, [(f"a{i}", asked, {SESSION_HEADER: sid})])[f"a{i}"]
             assert got == 200, answer

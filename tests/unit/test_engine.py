@@ -211,7 +211,7 @@ def test_bf16_session_equals_the_bf16_pipeline(tiny_checkpoint):
     import torch
 
     bf16 = LlavaEngine.load(tiny_checkpoint, ServerConfig(device="cpu", dtype="bfloat16"))
-    assert bf16.replicas[0].model.dtype == torch.bfloat16
+    assert bf16.runner.replicas[0].model.dtype == torch.bfloat16
     image = make_image(8)
     state = bf16.open_session(image, "Answer briefly.")
     got = [answer(bf16, state, p).text for p in PROMPTS]
@@ -261,7 +261,7 @@ def test_worker_start_fails_when_image_features_are_silently_ignored(engine, mon
 
 @pytest.mark.parametrize("image_processes", [0, 2])
 def test_the_tower_runs_in_a_step_or_with_the_processor_and_answers_agree(
-    tiny_checkpoint, reference, image_processes
+    tiny_checkpoint, reference, image_processes, monkeypatch
 ):
     """On a CPU with image processes, the processor's process runs the tower too (an open then
     holds no step for it); without them the tower is a piece of a step. Both give the
@@ -274,7 +274,16 @@ def test_the_tower_runs_in_a_step_or_with_the_processor_and_answers_agree(
     opening = engine.start_open(state)
     assert (opening.tower_tokens > 0) == (image_processes == 0)
     engine.run_to_end(opening)
-    quiet = engine.runner.pacer.quiet_s
-    got = [answer(engine, state, p).text for p in PROMPTS[:2]]
-    assert got == reference.answers(image, PROMPTS[:2], 10)
-    assert engine.runner.pacer.quiet_s != quiet  # its decode-only steps were measured
+    pacer = engine.runner.pacer
+    observed = []  # the plans of the steps whose times reached the pacer
+    real_observe = pacer.observe
+    monkeypatch.setattr(
+        pacer,
+        "observe",
+        lambda plan, *a, **kw: (observed.append(plan), real_observe(plan, *a, **kw)),
+    )
+    turns = [answer(engine, state, p) for p in PROMPTS[:2]]
+    assert [t.text for t in turns] == reference.answers(image, PROMPTS[:2], 10)
+    # Every token after an answer's first is a step that only decodes, and each one was timed.
+    decode_only = [p for p in observed if p.decode and not p.prefill and not p.encode]
+    assert len(decode_only) == sum(len(t.generated) - 1 for t in turns)

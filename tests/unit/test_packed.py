@@ -202,6 +202,6 @@ def test_the_start_up_check_stops_packing_where_the_attention_is_not_routed(
     engine = LlavaEngine.load(tiny_checkpoint, ServerConfig(device="cpu", image_processes=0))
     assert engine.runner.packs
     engine.runner.replicas[0].model.set_attn_implementation({"text_config": "sdpa"})
-    self_check(engine)
+    self_check(engine.runner)
     assert not engine.runner.packs
     assert "each prefill chunk runs a forward of its own" in caplog.text

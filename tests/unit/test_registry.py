@@ -50,7 +50,7 @@ def test_path_is_per_model_under_tmpdir_or_the_env_dir(tmp_path, monkeypatch) ->
     import tempfile
 
     monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
-    assert registry_path("llava") == tmp_path / "t" / "llava-sessions-llava.sessions.registry"
+    assert registry_path("llava") == tmp_path / "t" / "llava-sessions-llava.registry"
     monkeypatch.setenv(ENV_DIR, str(tmp_path / "r"))
     assert registry_path("../evil name") == tmp_path / "r" / "llava-sessions-.._evil_name.registry"
     assert registry_path("m", tmp_path) == tmp_path / "llava-sessions-m.registry"

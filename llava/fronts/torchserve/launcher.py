@@ -193,6 +193,14 @@ class TorchServe:
                 parts.append(path.read_text(errors="replace"))
         return "\n".join(parts)
 
+    def wait_for_log(self, text: str, timeout_s: float = 60, *, seen: int = 0) -> None:
+        """Wait until the logs say `text` more than `seen` times (written as things happen)."""
+        deadline = time.monotonic() + timeout_s
+        while self.logs().count(text) <= seen:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the logs never said {text!r}:\n" + self.log_tail(40))
+            time.sleep(0.05)
+
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.logs().splitlines()[-lines:])
 
