@@ -250,20 +250,61 @@ def test_dockerfile_has_oci_labels() -> None:
     assert labels["org.opencontainers.image.revision"] == "${VCS_REF}"
 
 
-def test_model_bake_is_optional_and_checked() -> None:
+def _bake(tmp_path: Path, model_dir: str, files: dict[str, str]) -> subprocess.CompletedProcess:
+    """Run the Dockerfile's own COPY and RUN of the model bake, with /opt/ml/model in tmp_path.
+
+    The COPY's source is resolved as Docker resolves `${MODEL_DIR:-docker/no-model}`; the RUN
+    is the Dockerfile's text, executed by bash as `docker build` would (SHELL: bash -c).
+    """
     instructions = _instructions()
-    assert "MODEL_DIR=" in [rest for keyword, rest in instructions if keyword == "ARG"]
-    copies = [rest for keyword, rest in instructions if keyword == "COPY"]
-    assert "${MODEL_DIR:-docker/no-model}/ /opt/ml/model/" in copies
-    placeholders = [p.name for p in (REPO / "docker/no-model").iterdir()]
-    assert placeholders == [".llava-no-model"]
-    checks = [rest for keyword, rest in instructions if keyword == "RUN" and "MODEL_DIR" in rest]
-    assert len(checks) == 1
-    assert "MAR-INF/MANIFEST.json" in checks[0] and "exit 1" in checks[0]
-    assert "rm -f /opt/ml/model/.llava-no-model" in checks[0]
-    # The weights layer comes before the kit, so a code change does not re-push the weights.
-    bake = copies.index("${MODEL_DIR:-docker/no-model}/ /opt/ml/model/")
-    assert all(bake < copies.index(c) for c in copies if "llava" in c and "model" not in c)
+    [copy] = [rest for keyword, rest in instructions if keyword == "COPY" and "MODEL_DIR" in rest]
+    [run] = [rest for keyword, rest in instructions if keyword == "RUN" and "MODEL_DIR" in rest]
+    source_pattern, destination = copy.split()
+    context = tmp_path / "context"
+    shutil.copytree(REPO / "docker", context / "docker")
+    for name, text in files.items():
+        (context / model_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (context / model_dir / name).write_text(text)
+    source = source_pattern.replace("${MODEL_DIR:-docker/no-model}", model_dir or "docker/no-model")
+    model = tmp_path / "opt/ml/model"
+    shutil.copytree(context / source, model)
+    assert destination == "/opt/ml/model/"
+    return subprocess.run(
+        ["bash", "-o", "pipefail", "-c", run.replace("/opt/ml/model", str(model))],
+        env={**os.environ, "MODEL_DIR": model_dir},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+def test_without_model_dir_the_image_gets_an_empty_model_directory(tmp_path: Path) -> None:
+    result = _bake(tmp_path, "", {})
+    assert result.returncode == 0, result.stderr
+    assert list((tmp_path / "opt/ml/model").iterdir()) == []  # the placeholder is gone
+
+
+def test_a_model_dir_without_a_manifest_fails_the_build_saying_how(tmp_path: Path) -> None:
+    result = _bake(tmp_path, "model-store/llava", {"config.json": "{}"})
+    assert result.returncode == 1
+    assert "MAR-INF/MANIFEST.json" in result.stderr and "torch-model-archiver" in result.stderr
+
+
+def test_an_unpacked_archive_is_baked_as_it_is(tmp_path: Path) -> None:
+    files = {"MAR-INF/MANIFEST.json": '{"model": {}}', "config.json": "{}"}
+    result = _bake(tmp_path, "model-store/llava", files)
+    assert result.returncode == 0, result.stderr
+    model = tmp_path / "opt/ml/model"
+    assert sorted(str(p.relative_to(model)) for p in model.rglob("*") if p.is_file()) == sorted(
+        files
+    )
+
+
+def test_the_weights_layer_comes_before_the_kit() -> None:
+    # A code change must not re-push a baked multi-gigabyte weights layer.
+    copies = [rest for keyword, rest in _instructions() if keyword == "COPY"]
+    bake = next(i for i, c in enumerate(copies) if "MODEL_DIR" in c)
+    assert all(bake < i for i, c in enumerate(copies) if c.startswith("llava/"))
 
 
 def _dockerignore_patterns() -> list[str]:
