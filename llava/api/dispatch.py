@@ -16,15 +16,23 @@ from typing import Any
 
 from llava.api.aws import translate_dialects
 from llava.api.body import decode_body
-from llava.api.openai import ChatCompletion, is_chat_completion, parse_chat_completion
+from llava.api.openai import (
+    ChatCompletion,
+    ListModels,
+    is_chat_completion,
+    is_model_listing,
+    parse_chat_completion,
+)
 from llava.api.session_api import Query, Request, parse_session_request
 from llava.core.params import Limits
 
 
 def parse_request(
     body: Any, headers: Mapping[str, Any], limits: Limits = Limits()
-) -> Request | ChatCompletion:
+) -> Request | ChatCompletion | ListModels:
     """Validate one request body and its session header into a typed request."""
+    if is_model_listing(body, headers):
+        return ListModels()
     decoded = decode_body(body, headers, limits)
     if is_chat_completion(decoded):
         return parse_chat_completion(decoded, headers, limits)

@@ -62,6 +62,27 @@ _UNSUPPORTED = {
 
 
 @dataclass(frozen=True)
+class ListModels:
+    """`GET .../v1/models`: what OpenAI clients (Open WebUI, LibreChat) ask to discover models."""
+
+
+def is_model_listing(body: Any, headers: Mapping[str, Any]) -> bool:
+    """Tell a GET (no body, no Content-Type) from a request: TorchServe hides the method and path.
+
+    TorchServe routes `GET /predictions/<model>/<version>/v1/models` to the handler with neither
+    method nor path, only an empty body; a POST always carries a body or a Content-Type.
+    """
+    empty = body is None or (isinstance(body, (bytes, bytearray, str)) and not body)
+    return empty and header(headers, "Content-Type") is None
+
+
+def models_body(model: str, created: int) -> dict[str, Any]:
+    """Return OpenAI's model list, naming the one model this endpoint serves."""
+    entry = {"id": model, "object": "model", "created": created, "owned_by": "llava-sessions"}
+    return {"object": "list", "data": [entry]}
+
+
+@dataclass(frozen=True)
 class ChatCompletion:
     """A chat-completions request: one image, the earlier turns and the new question."""
 

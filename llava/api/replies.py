@@ -34,6 +34,11 @@ class Reply:
     last: bool | None = None
 
 
+def json_reply(obj: Any, headers: dict[str, str] | None = None) -> Reply:
+    """Return a whole JSON response (200)."""
+    return Reply(json.dumps(obj, ensure_ascii=False).encode(), headers=headers or {})
+
+
 def error_reply(error: KitError) -> Reply:
     """Render a kit error as a whole JSON response with its status."""
     headers = {}

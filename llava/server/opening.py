@@ -10,12 +10,18 @@ An open passes through three stages, each bounded so the shared step loop never 
 
 from __future__ import annotations
 
-import json
 from typing import Any, Generic
 
 from llava.api.headers import NEW_SESSION_HEADER, SESSION_HEADER, expires_header, iso_utc
 from llava.api.openai import ChatCompletion, chat_info, image_key
-from llava.api.replies import Replies, Reply, as_kit_error, error_reply, internal_error
+from llava.api.replies import (
+    Replies,
+    Reply,
+    as_kit_error,
+    error_reply,
+    internal_error,
+    json_reply,
+)
 from llava.api.session_api import OpenSession
 from llava.images.background import BackgroundImages
 from llava.server.contract import Engine, StateT, TurnT
@@ -85,7 +91,7 @@ class SessionOpener(Generic[StateT, TurnT]):
     def opened_reply(self, session: Session) -> Reply:
         """The reply to `open_session`: the id and expiry, in the body and the headers."""
         body = {"session_id": session.id, "expires_at": iso_utc(self.store.expires_at(session))}
-        return Reply(json.dumps(body).encode(), headers=self.headers(session))
+        return json_reply(body, self.headers(session))
 
     def headers(self, session: Session) -> dict[str, str]:
         """SageMaker's new-session header (and the sticky one) for a session just opened."""

@@ -17,8 +17,8 @@ request's own 4xx/5xx reply (or, once a stream has started, an in-band error lin
 
 from __future__ import annotations
 
-import json
 import logging
+import time
 from collections.abc import Mapping
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
@@ -26,7 +26,7 @@ from typing import Any, Generic
 
 from llava.api.dispatch import parse_request
 from llava.api.headers import CLOSED_SESSION_HEADER, NEW_SESSION
-from llava.api.openai import ChatCompletion, check_same_chat
+from llava.api.openai import ChatCompletion, ListModels, check_same_chat, models_body
 from llava.api.openai_replies import OpenAIReplies
 from llava.api.replies import (
     KitReplies,
@@ -35,6 +35,7 @@ from llava.api.replies import (
     as_kit_error,
     error_reply,
     internal_error,
+    json_reply,
 )
 from llava.api.session_api import CloseSession, Generate, OpenSession, Query, Rollback
 from llava.core.errors import KitError
@@ -77,8 +78,11 @@ class SessionService(Generic[StateT, TurnT]):
         fetch_threads: int = 16,
         image_processes: int = 0,
         snapshots: SnapshotDir | None = None,
+        model_name: str = "llava",
     ) -> None:
         self.engine = engine
+        self.model_name = model_name
+        self.started = int(time.time())
         self.store = store
         self.images = images
         self.limits = limits
@@ -133,6 +137,8 @@ class SessionService(Generic[StateT, TurnT]):
 
     def _admit(self, item: Incoming) -> Reply | None:
         request = parse_request(item.body, item.headers, self.limits)
+        if isinstance(request, ListModels):
+            return json_reply(models_body(self.model_name, self.started))
         if isinstance(request, ChatCompletion):
             self._admit_chat(item.request_id, request)
             return None
@@ -160,10 +166,8 @@ class SessionService(Generic[StateT, TurnT]):
             return self._rollback(request)
         assert isinstance(request, CloseSession)
         session = self.store.close(request.session_id)
-        return Reply(
-            _json({"session_id": session.id, "closed": True, "success": True}),
-            headers={CLOSED_SESSION_HEADER: session.id},
-        )
+        body = {"session_id": session.id, "closed": True, "success": True}
+        return json_reply(body, {CLOSED_SESSION_HEADER: session.id})
 
     def _rollback(self, request: Rollback) -> Reply:
         """Undo a session's last question and answer (a regenerate then reuses its cache)."""
@@ -174,7 +178,7 @@ class SessionService(Generic[StateT, TurnT]):
         finally:
             self.store.end_turn(session, self._nbytes(session))
         body = {"session_id": session.id, "rolled_back": True, "turns": turns}
-        return Reply(_json(body))
+        return json_reply(body)
 
     def _wait_if_idle(self, replies: dict[str, Reply]) -> None:
         if replies or any(not isinstance(w, Fetching) for w in self._work.values()):
@@ -389,7 +393,3 @@ class SessionService(Generic[StateT, TurnT]):
     def _nbytes(session: Session) -> int:
         state = session.state
         return int(getattr(state, "nbytes", 0)) if state is not None else 0
-
-
-def _json(obj: Any) -> bytes:
-    return json.dumps(obj, ensure_ascii=False).encode()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from helpers import Reference, data_uri, make_image
@@ -20,6 +21,7 @@ pytestmark = pytest.mark.integration
 
 PROMPTS = ["What is this?", "Describe the colors.", "Is it big?", "Why?"]
 TOKENS = 10
+JSON = {"Content-Type": "application/json"}
 
 
 @pytest.fixture(scope="module")
@@ -147,3 +149,13 @@ def test_a_chat_about_another_image_is_refused_by_a_session(client):
         create(client, sid, messages(data_uri(make_image(115)), [], PROMPTS[0]))
     with pytest.raises(openai.BadRequestError, match="image_url"):
         create(client, None, [{"role": "user", "content": "No picture?"}])
+
+
+def test_the_model_is_discovered_as_open_webui_and_librechat_do(client, server):
+    """`GET {base_url}/models` (the SDK's `models.list()`) names the served model; a POST with
+    an empty body is still a bad request."""
+    listed = client.models.list()
+    assert [m.id for m in listed.data] == ["llava"]  # the archive's model name
+    assert listed.data[0].object == "model"
+    empty = httpx.post(server.url("/predictions/llava"), content=b"", headers=JSON, timeout=30)
+    assert empty.status_code == 400 and empty.json()["error"]["field"] == "body"

@@ -19,6 +19,7 @@ from llava.api.headers import (
     iso_utc,
     stream_line,
 )
+from llava.api.openai import ListModels
 from llava.api.session_api import CloseSession, Generate, OpenSession, Query
 from llava.core.errors import InvalidRequest, KitError, PayloadTooLarge
 from llava.core.ids import SESSION_ID_RE, is_valid_session_id
@@ -433,7 +434,13 @@ def test_non_object_json_is_rejected_naming_body(body: bytes) -> None:
 
 @pytest.mark.parametrize("body", [None, b"", "", 42, 4.2, ["query"], object()])
 def test_empty_or_non_json_bodies_are_rejected_naming_body(body: Any) -> None:
-    assert_field(body, "body")
+    assert_field(body, "body", {"Content-Type": "application/json"})
+
+
+@pytest.mark.parametrize("body", [None, b"", ""])
+def test_a_request_with_no_body_and_no_content_type_lists_the_model(body: Any) -> None:
+    """What a GET (`/v1/models`) reaches the handler as: TorchServe passes no method or path."""
+    assert parse_request(body, {}) == ListModels()
 
 
 def test_deeply_nested_json_is_a_client_error() -> None:
@@ -510,7 +517,7 @@ def parses_or_kit_error(body: Any, headers: dict[str, Any]) -> None:
         assert 400 <= exc.status < 500
         json.dumps(exc.to_body())
     else:
-        assert isinstance(request, (OpenSession, Query, CloseSession, Generate))
+        assert isinstance(request, (OpenSession, Query, CloseSession, Generate, ListModels))
 
 
 @given(bodies, header_maps)

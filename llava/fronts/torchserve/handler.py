@@ -181,6 +181,7 @@ class SessionHandler:
             fetch_threads=config.image_fetch_threads,
             image_processes=config.image_processes,
             snapshots=snapshots,
+            model_name=str(getattr(context, "model_name", None) or "llava"),
         )
         self.service.start_image_processes()
         freeze_startup_objects()
