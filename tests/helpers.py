@@ -103,7 +103,8 @@ class Reference:
         text = self.processor.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=False
         )
-        inputs = self.processor(images=[images], text=[text], return_tensors="pt")
+        pictures = {"images": [images]} if images else {}
+        inputs = self.processor(text=[text], return_tensors="pt", **pictures)
         device = self.model.device
         inputs = {
             k: v.to(device, self.model.dtype) if v.is_floating_point() else v.to(device)
@@ -113,6 +114,25 @@ class Reference:
             out = self.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
         generated = out[0, inputs["input_ids"].shape[1] :]
         return self.processor.tokenizer.decode(generated, skip_special_tokens=True)
+
+    def chat_answer(
+        self, messages: list[dict[str, Any]], images: dict[str, Image.Image], max_new_tokens: int
+    ) -> str:
+        """Answer an OpenAI-style chat as transformers would: each `image_url` part becomes an
+        image of the chat template, the picture `images[url]`, in the order they come."""
+        converted, pictures = [], []
+        for message in messages:
+            content = message.get("content") or ""
+            parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+            out = []
+            for part in parts:
+                if part["type"] == "image_url":
+                    pictures.append(images[part["image_url"]["url"]])
+                    out.append({"type": "image"})
+                else:
+                    out.append({"type": "text", "text": part["text"]})
+            converted.append({"role": message["role"], "content": out})
+        return self.answer(pictures, converted, max_new_tokens)
 
     def answers(
         self,

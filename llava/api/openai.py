@@ -20,13 +20,13 @@ from typing import Any
 
 from llava.api.fields import flag_field, number_field
 from llava.api.headers import NEW_SESSION, SESSION_HEADER, header
-from llava.api.session_api import Generate
 from llava.core.errors import InvalidRequest
 from llava.core.ids import is_valid_session_id
 from llava.core.params import GenerationParams, Limits
 
 MAX_STOP_SEQUENCES = 4
-MAX_MESSAGES = 129  # a system prompt and 64 question/answer pairs
+MAX_MESSAGES = 257  # a system prompt and 128 question/answer pairs
+Message = dict[str, Any]  # one message in transformers' chat format
 
 _ACCEPTED = {
     "model",
@@ -84,33 +84,36 @@ def models_body(model: str, created: int) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class ChatCompletion:
-    """A chat-completions request: one image, the earlier turns and the new question."""
+    """A chat-completions request: the client's conversation, as its chat template renders it.
 
-    image: str = field(repr=False)
+    `chat` holds the messages after the system prompt in transformers' chat format: each
+    content part is `{"type": "text", "text": ...}` or `{"type": "image"}`, the images being
+    `images` in order. It ends with a user message.
+    """
+
+    images: tuple[str, ...] = field(repr=False)
     system_prompt: str | None
-    history: tuple[tuple[str, str], ...]
-    prompt: str = field(repr=False)
+    chat: tuple[Message, ...] = field(repr=False)
     params: GenerationParams
     stream: bool
     include_usage: bool
     model: str
-    session: str | None  # None: one-shot; NEW_SESSION: open a session; else the session's id
+    session: str | None  # None: no header; NEW_SESSION: open a session; else the session's id
 
     @property
     def image_key(self) -> str:
-        """Identify the image reference, to check a session is asked about its own image."""
-        return image_key(self.image)
+        """Identify the image references, to check a session is asked about its own images."""
+        return image_key("\n".join(self.images))
 
-    def as_generate(self) -> Generate:
-        """Return the one-shot request this chat is when it names no session."""
-        return Generate(
-            image=self.image,
-            prompt=self.prompt,
-            system_prompt=self.system_prompt,
-            history=self.history,
-            params=self.params,
-            stream=self.stream,
-        )
+    @property
+    def prompt(self) -> str:
+        """The text of the last user message (the question this request asks)."""
+        return message_text(self.chat[-1])
+
+
+def message_text(message: Message) -> str:
+    """Join a message's text parts (what a prompt limit counts)."""
+    return "".join(p["text"] for p in message["content"] if p["type"] == "text")
 
 
 def image_key(ref: str) -> str:
@@ -156,15 +159,11 @@ def parse_chat_completion(
             raise InvalidRequest(f"unknown field {name!r} for a chat completion", field=name)
     if obj.get("n", 1) != 1:
         raise InvalidRequest('"n" must be 1: one answer per request', field="n")
-    system_prompt, turns = _conversation(obj.get("messages"), limits)
-    image = turns[0][0]
-    assert image is not None  # _conversation requires one in the first user message
-    history = tuple((question, answer or "") for _, question, answer in turns[:-1])
+    system_prompt, chat, images = _conversation(obj.get("messages"), limits)
     return ChatCompletion(
-        image=image,
+        images=images,
         system_prompt=system_prompt,
-        history=history,
-        prompt=turns[-1][1],
+        chat=chat,
         params=_params(obj, limits),
         stream=flag_field(obj, "stream", False),
         include_usage=_include_usage(obj),
@@ -175,76 +174,79 @@ def parse_chat_completion(
 
 def _conversation(
     messages: Any, limits: Limits
-) -> tuple[str | None, list[tuple[str | None, str, str | None]]]:
-    """Return the system prompt and the (image, question, answer) turns of the messages."""
+) -> tuple[str | None, tuple[Message, ...], tuple[str, ...]]:
+    """Return the system prompt, the other messages in the chat template's format, and the
+    image references in order.
+
+    Whatever OpenAI accepts is taken: string or list content, several text parts, an image in
+    any user message (alone or beside text), consecutive messages of one role, and an assistant
+    message whose content is null. Whether the model takes that many images is the engine's
+    to say (it knows the model).
+    """
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest('"messages" must be a non-empty list', field="messages")
     if len(messages) > MAX_MESSAGES:
         raise InvalidRequest(f'"messages" holds more than {MAX_MESSAGES}', field="messages")
     system_prompt = None
-    turns: list[tuple[str | None, str, str | None]] = []
+    chat: list[Message] = []
+    images: list[str] = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise InvalidRequest(f'{where} must be an object with a "role"', field=where)
         role = message["role"]
-        image, text = _content(message.get("content"), where, limits)
-        expected = "user" if not turns or turns[-1][2] is not None else "assistant"
-        if role in ("system", "developer") and i == 0 and image is None:
-            system_prompt = text
-        elif role == expected == "user":
-            if image is not None and turns:
-                raise InvalidRequest(
-                    f"{where}: images go in the first user message (send later ones with the "
-                    'session API\'s "image" field)',
-                    field=where,
-                )
-            if image is None and not turns:
-                raise InvalidRequest(
-                    f'{where}: the first user message needs an "image_url" part', field=where
-                )
-            turns.append((image, text, None))
-        elif role == expected == "assistant" and image is None:
-            turns[-1] = (turns[-1][0], turns[-1][1], text)
-        else:
+        if role not in ("system", "developer", "user", "assistant"):
             raise InvalidRequest(
-                f'{where}: expected a "{expected}" message (an optional system message first, '
-                "then user and assistant in turn, ending with user)",
-                field=where,
+                f'{where}: role is "system", "developer", "user" or "assistant"', field=where
             )
-    if not turns or turns[-1][2] is not None:
-        raise InvalidRequest("the last message must be the user's question", field="messages")
-    return system_prompt, turns
+        content = message.get("content")
+        if content is None and role == "assistant":
+            content = ""  # OpenAI allows a null assistant content
+        parts, refs = _content(content, where, limits, images_allowed=role == "user")
+        if role in ("system", "developer"):
+            if i != 0:
+                raise InvalidRequest(f"{where}: a system message comes first", field=where)
+            system_prompt = message_text({"content": parts})
+            continue
+        chat.append({"role": role, "content": parts})
+        images += refs
+    if not chat or chat[-1]["role"] != "user":
+        raise InvalidRequest("the last message must be the user's", field="messages")
+    return system_prompt, tuple(chat), tuple(images)
 
 
-def _content(content: Any, where: str, limits: Limits) -> tuple[str | None, str]:
-    """Return a message's image URL (if any) and its text."""
+def _content(
+    content: Any, where: str, limits: Limits, *, images_allowed: bool
+) -> tuple[list[dict[str, str]], list[str]]:
+    """Return a message's parts in the chat template's format, and its image references."""
     if isinstance(content, str):
-        parts: list[Any] = [{"type": "text", "text": content}]
-    elif isinstance(content, list):
-        parts = content
+        raw: list[Any] = [{"type": "text", "text": content}]
+    elif isinstance(content, list) and content:
+        raw = content
     else:
-        raise InvalidRequest(f"{where}.content must be a string or a list of parts", field=where)
-    image, texts = None, []
-    for part in parts:
+        raise InvalidRequest(
+            f"{where}.content must be a string or a non-empty list of parts", field=where
+        )
+    parts: list[dict[str, str]] = []
+    refs: list[str] = []
+    for part in raw:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "text" and isinstance(part.get("text"), str):
-            texts.append(part["text"])
-        elif kind == "image_url" and image is None:
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "image_url" and images_allowed:
             url = part.get("image_url")
             url = url.get("url") if isinstance(url, dict) else url
             if not isinstance(url, str) or not url.strip():
                 raise InvalidRequest(f'{where}: "image_url" needs a "url"', field=where)
-            image = url
+            parts.append({"type": "image"})
+            refs.append(url)
         elif kind == "image_url":
-            raise InvalidRequest(f"{where}: one image per message", field=where)
+            raise InvalidRequest(f"{where}: only user messages carry images", field=where)
         else:
             raise InvalidRequest(f'{where}: parts are "text" or "image_url"', field=where)
-    if len(texts) != 1 or not texts[0].strip():
-        raise InvalidRequest(f"{where}: exactly one non-empty text part", field=where)
-    if len(texts[0]) > limits.max_prompt_chars:
+    if sum(len(p.get("text", "")) for p in parts) > limits.max_prompt_chars:
         raise InvalidRequest(f"{where}: longer than {limits.max_prompt_chars} chars", field=where)
-    return image, texts[0]
+    return parts, refs
 
 
 def _params(obj: Mapping[str, Any], limits: Limits) -> GenerationParams:

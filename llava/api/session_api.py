@@ -23,9 +23,9 @@ from llava.core.params import GenerationParams, Limits
 
 @dataclass(frozen=True)
 class OpenSession:
-    """Fetch and process one image, keep its state for the session's questions."""
+    """Fetch and process one image (or none), keep its state for the session's questions."""
 
-    image: str = field(repr=False)
+    image: str | None = field(repr=False)
     system_prompt: str | None = None
     # earlier (question, answer) pairs the session starts with: a conversation carried over
     # from a session that expired or was lost (prefilled with the first question)
@@ -57,7 +57,7 @@ class Generate:
     itself; every request then pays for the whole image and conversation again.
     """
 
-    image: str = field(repr=False)
+    image: str | None = field(repr=False)
     prompt: str = field(repr=False)
     system_prompt: str | None = None
     history: tuple[tuple[str, str], ...] = ()
@@ -89,9 +89,19 @@ def _parse_open(obj: Mapping[str, Any], sid: str | None, limits: Limits) -> Open
             f'"open_session" starts a new session: send {SESSION_HEADER}: {NEW_SESSION} or none',
             field="session_id",
         )
-    image = required_text(obj, "image", limits.max_body_bytes)
+    image = _image(obj, limits)
     system_prompt = text_field(obj, "system_prompt", limits.max_system_prompt_chars, required=False)
     return OpenSession(image=image, system_prompt=system_prompt, history=_history(obj, limits))
+
+
+def _image(obj: Mapping[str, Any], limits: Limits) -> str | None:
+    """An optional image reference (a session or an answer may be text-only); never empty."""
+    image = text_field(obj, "image", limits.max_body_bytes, required=False)
+    if image is not None and not image.strip():
+        raise InvalidRequest(
+            '"image" is empty: leave it out for a text-only conversation', field="image"
+        )
+    return image
 
 
 def _require_session(sid: str | None, kind: str) -> str:
@@ -125,7 +135,7 @@ def _parse_generate(obj: Mapping[str, Any], sid: str | None, limits: Limits) -> 
     if sid is not None:
         raise InvalidRequest('"generate" uses no session: send no session id', field="session_id")
     return Generate(
-        image=required_text(obj, "image", limits.max_body_bytes),
+        image=_image(obj, limits),
         prompt=required_text(obj, "prompt", limits.max_prompt_chars),
         system_prompt=text_field(
             obj, "system_prompt", limits.max_system_prompt_chars, required=False

@@ -2,7 +2,8 @@
 
     KitError (500 internal_error)
     ├── InvalidRequest (400 invalid_request)
-    │   └── PayloadTooLarge (413 payload_too_large)
+    │   ├── PayloadTooLarge (413 payload_too_large)
+    │   └── ContextLengthExceeded (400 context_length_exceeded)
     ├── ImageError (400 invalid_image)
     │   ├── ImageFetchError (400 image_fetch_failed)
     │   ├── ImageForbidden (400 image_url_forbidden)
@@ -52,6 +53,10 @@ class InvalidRequest(KitError):
 
 class PayloadTooLarge(InvalidRequest):
     status, code = 413, "payload_too_large"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    code = "context_length_exceeded"  # OpenAI's code for the same condition
 
 
 class ImageError(KitError):

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from llava.core.config import ServerConfig
-from llava.core.errors import InvalidRequest
+from llava.core.errors import ContextLengthExceeded, InvalidRequest
 from llava.core.families import checkpoint_family
 from llava.core.params import GenerationParams
 from llava.core.tiers import Tier
@@ -42,7 +42,7 @@ from llava.engine.runner import ModelRunner
 from llava.engine.scheduling.calibrate import calibrate
 from llava.engine.selfcheck import self_check
 from llava.engine.state import snapshot, tiers
-from llava.engine.state.chat import Exchange, common_prefix
+from llava.engine.state.chat import Exchange, Message, common_prefix
 from llava.engine.state.imageset import EMPTY, ImagePreparer, ImageSet, PreparedImages
 from llava.engine.state.session import Replica, SessionState, Turn
 from llava.engine.stepping import run_step
@@ -83,14 +83,15 @@ class LlavaEngine:
         """Run the processor on a new image (for `state`'s conversation, if it joins one)."""
         return self.runner.images.prepare(image, state.images if state is not None else None)
 
-    def new_session(self, image: PreparedImages, system_prompt: str | None = None) -> SessionState:
-        """Make a session's state from a prepared image; nothing is computed yet."""
+    def new_session(
+        self, image: PreparedImages | None, system_prompt: str | None = None
+    ) -> SessionState:
+        """Make a session's state from a prepared image (or none); nothing is computed yet."""
         self._refuse_placeholder(system_prompt, "system_prompt")
         replica = min(self.runner.replicas, key=lambda r: r.sessions)
-        images = self.runner.images.start(image, replica.device)
-        prefix = self.runner.chat.tokenize(
-            self.runner.chat.prefix_text(system_prompt), images.tokens
-        )
+        images = EMPTY if image is None else self.runner.images.start(image, replica.device)
+        chat = self.runner.chat
+        prefix = chat.tokenize(chat.prefix_text(system_prompt, len(images.tokens)), images.tokens)
         state = SessionState(replica, system_prompt, images, prefix)
         state.tier = Tier.FEATURES if self.runner.keeps_kv else Tier.DEVICE
         replica.sessions += 1
@@ -178,49 +179,121 @@ class LlavaEngine:
         *,
         history: bool = True,
         image: Any = None,
-        conversation: Sequence[tuple[str, str]] | None = None,
     ) -> Turn:
         """Tokenize the whole conversation and find what the cache already holds of it.
 
         `image` adds a picture to the conversation with this question (multi-image families),
         prepared by `prepare(image, state)`.
-        `conversation` replaces the session's earlier turns with the client's (a client that
-        re-sends the whole chat): the cache is kept for as long as they agree.
         """
         runner = self.runner
         self._refuse_placeholder(prompt, "prompt")
-        for question, _ in conversation or []:
-            self._refuse_placeholder(question, "messages")
-        prompt_tokens = runner.chat.count_tokens(prompt)
-        if prompt_tokens > runner.config.max_prompt_tokens:
-            raise InvalidRequest(
-                f"prompt is {prompt_tokens} tokens, the limit is {runner.config.max_prompt_tokens}",
-                field="prompt",
-            )
+        self._check_prompt_tokens(prompt, "prompt")
         if image is not None and not isinstance(image, PreparedImages):  # in-process callers
             image = self.prepare(image, state)
-        images, reencoded = runner.images.for_turn(
-            state.images, image, history and conversation is None
-        )
+        images, reencoded = runner.images.for_turn(state.images, image, history)
+        if not history and state.opening_images == 0:  # the question alone: no image at all
+            images, reencoded = EMPTY, False
         added = 0 if image is None else 1
         past = state.history if history else []
-        if conversation is not None:
-            past = [Exchange(question, answer) for question, answer in conversation]
-        text = runner.chat.render(runner.chat.messages(state.system_prompt, past, prompt, added))
+        messages = runner.chat.messages(
+            state.system_prompt, past, prompt, added, state.opening_images
+        )
+        text = runner.chat.render(messages)
         ids = runner.chat.tokenize(text, images.tokens)
-        room = runner.max_context - len(ids)
-        if room < 1:
-            raise InvalidRequest(
-                f"the conversation has reached the model's {runner.max_context}-token context; "
-                'open a new session or ask with "history": false',
-                field="prompt",
-            )
-        common = min(common_prefix(state.cache_ids, ids), len(ids) - 1) if runner.keeps_kv else 0
+        room = self._room(ids, "prompt")
+        common = self._reusable(state, ids)
         if reencoded:  # the image tokens match but their features changed: recompute them
             common = min(common, ids.index(runner.image_token_id))
         turn = self._new_turn(state, prompt, params, ids, past, images, common, added, history)
         turn.max_new_tokens = min(params.max_new_tokens, room)
         return turn
+
+    @torch.inference_mode()
+    def start_chat(
+        self, state: SessionState, chat: Sequence[Message], params: GenerationParams
+    ) -> Turn:
+        """Answer a client's whole conversation (OpenAI chat completions), rendered as sent.
+
+        `chat` is every message after the system prompt, in the chat template's format, with
+        as many image parts as the session has images. The cache is kept for as long as it
+        agrees with the conversation's ids; the session's own history is left as it is.
+        """
+        runner = self.runner
+        texts = [p["text"] for m in chat for p in m["content"] if p["type"] == "text"]
+        for text in texts:
+            self._refuse_placeholder(text, "messages")
+        question = "".join(p["text"] for p in chat[-1]["content"] if p["type"] == "text")
+        self._check_prompt_tokens(question, "messages")
+        wanted = _images_in(chat)
+        if wanted != len(state.images.tokens):
+            raise InvalidRequest(
+                f"the messages hold {wanted} image(s), the session {len(state.images.tokens)}",
+                field="messages",
+            )
+        rendered = runner.chat.render(runner.chat.chat_messages(state.system_prompt, chat))
+        ids = runner.chat.tokenize(rendered, state.images.tokens)
+        room = self._room(ids, "messages")
+        common = self._reusable(state, ids)
+        turn = self._new_turn(state, question, params, ids, state.history, state.images, common, 0)
+        turn.records_exchange = False
+        turn.max_new_tokens = min(params.max_new_tokens, room)
+        return turn
+
+    def held_of_chat(self, state: SessionState, chat: Sequence[Message]) -> tuple[int, bool]:
+        """Return how many of a chat's ids the session's cache holds, and whether the chat
+        carries on the session's conversation (it holds all of it up to the last answer cue).
+
+        A re-sent chat with one more question carries on; a side request or an edited chat
+        over the same start shares a prefix only, and is answered in a `fork`."""
+        if self.runner.images.keep_pixels or len(state.images.tokens) != _images_in(chat):
+            return 0, False
+        chat_format = self.runner.chat
+        text = chat_format.render(chat_format.chat_messages(state.system_prompt, chat))
+        ids = chat_format.tokenize(text, state.images.tokens)
+        held = common_prefix(state.cache_ids, ids)
+        return held, held >= state.prompt_len
+
+    @torch.inference_mode()
+    def fork(self, state: SessionState, length: int) -> SessionState:
+        """Return a new session state with `state`'s images and the first `length` ids of its
+        cache (a copy: `state` is left as it is, even mid-answer)."""
+        copy = SessionState(state.replica, state.system_prompt, state.images, state.prefix_ids)
+        copy.history = list(state.history)
+        length = min(length, len(state.cache_ids))
+        if state.cache is not None and length:
+            copy.cache = tiers.prefix_copy(state.cache, length, self.runner.num_layers)
+            copy.cache_ids = state.cache_ids[:length]
+            copy.tier = state.tier
+        else:
+            copy.tier = Tier.FEATURES
+        state.replica.sessions += 1
+        return copy
+
+    def _check_prompt_tokens(self, text: str, field: str) -> None:
+        """Refuse a question over `max_prompt_tokens` (counted on its own)."""
+        tokens = self.runner.chat.count_tokens(text)
+        limit = self.runner.config.max_prompt_tokens
+        if tokens > limit:
+            raise InvalidRequest(f"prompt is {tokens} tokens, the limit is {limit}", field=field)
+
+    def _room(self, ids: list[int], field: str) -> int:
+        """Return how many tokens an answer may take; refuse a conversation past the context."""
+        room = self.runner.max_context - len(ids)
+        if room < 1:
+            raise ContextLengthExceeded(
+                f"the conversation is {len(ids)} tokens and the model's context is "
+                f"{self.runner.max_context}: open a new session, or shorten the conversation",
+                field=field,
+                limit=self.runner.max_context,
+                tokens=len(ids),
+            )
+        return room
+
+    def _reusable(self, state: SessionState, ids: list[int]) -> int:
+        """Return how many of `ids` the session's cache holds (at least one is fed again)."""
+        if not self.runner.keeps_kv:
+            return 0
+        return min(common_prefix(state.cache_ids, ids), len(ids) - 1)
 
     def _new_turn(
         self,
@@ -280,7 +353,8 @@ class LlavaEngine:
         if self.runner.keeps_kv:
             state.cache_ids = turn.fed
         state.images = turn.images
-        if not turn.opening:  # an open adds no exchange
+        state.prompt_len = len(turn.ids)
+        if not turn.opening and turn.records_exchange:  # an open or a client's chat adds none
             state.history = [*turn.past, Exchange(turn.prompt, turn.text, turn.added_images)]
 
     @torch.inference_mode()
@@ -317,6 +391,10 @@ class LlavaEngine:
                 "send images in the image field",
                 field=field,
             )
+
+
+def _images_in(chat: Sequence[Message]) -> int:
+    return sum(part["type"] == "image" for message in chat for part in message["content"])
 
 
 __all__ = ["LlavaEngine", "SessionState", "Tier", "Turn"]

@@ -14,11 +14,12 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
 from llava.core.errors import KitError
+from llava.images.digest import content_digest
 from llava.images.processes import ImageProcesses
 from llava.images.refs import is_inline
 
@@ -82,6 +83,26 @@ class BackgroundImages:
         pool = self._local if is_inline(ref) else self._fetch
         return pool.submit(self._load, ref, list(earlier), then)
 
+    def submit_known(self, refs: Sequence[str], known: Callable[[str], bool]) -> Future:
+        """Load the first of `refs` (or none) for a conversation that may already be held: the
+        future holds (prepared image or None, content digest); the image is not prepared (no
+        processor, no vision tower) when `known(digest)` says a session holds it already."""
+        if not refs:
+            ready: Future = Future()
+            ready.set_result((None, ""))
+            return ready
+        pool = self._local if is_inline(refs[0]) else self._fetch
+        return pool.submit(self._load_known, refs[0], known)
+
+    def submit_first(self, refs: Sequence[str], then: Callable[[Any], Any] | None = None) -> Future:
+        """Like `submit` for the first of `refs`; with none, a future already holding `then`'s
+        result for no image (None)."""
+        if refs:
+            return self.submit(refs[0], then=then)
+        ready: Future = Future()
+        ready.set_result(then(None) if then is not None else None)
+        return ready
+
     def close(self) -> None:
         """Stop the threads and processes, dropping loads not yet started."""
         for pool in (self._fetch, self._local):
@@ -90,14 +111,28 @@ class BackgroundImages:
             self.processes.close()
 
     def _load(self, ref: str, earlier: list[Any], then: Callable[[Any], Any] | None) -> Any:
-        try:
-            data = self._source.read(ref)
-            if self.processes is not None:
-                prepared = self.processes.run(data, earlier)
-            else:
-                prepared = self._prepare(self._source.decoder(data), earlier)
-        except KitError as exc:
-            if exc.field is None:
-                exc.field = "image"
-            raise
+        with _naming_image():
+            prepared = self._prepared(self._source.read(ref), earlier)
         return then(prepared) if then is not None else prepared
+
+    def _load_known(self, ref: str, known: Callable[[str], bool]) -> tuple[Any, str]:
+        with _naming_image():
+            data = self._source.read(ref)
+            digest = content_digest(data)
+            return (None if known(digest) else self._prepared(data, [])), digest
+
+    def _prepared(self, data: Any, earlier: list[Any]) -> Any:
+        if self.processes is not None:
+            return self.processes.run(data, earlier)
+        return self._prepare(self._source.decoder(data), earlier)
+
+
+@contextlib.contextmanager
+def _naming_image() -> Iterator[None]:
+    """Name the `image` field in an image error that names none."""
+    try:
+        yield
+    except KitError as exc:
+        if exc.field is None:
+            exc.field = "image"
+        raise

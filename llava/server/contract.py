@@ -54,7 +54,8 @@ class Engine(Protocol[StateT, TurnT]):
         ...
 
     def new_session(self, image: Any, system_prompt: str | None = None) -> StateT:
-        """Make a new session's state from a prepared image; computes nothing yet."""
+        """Make a new session's state from a prepared image (None: a text-only session);
+        computes nothing yet."""
         ...
 
     def start_open(self, state: StateT) -> TurnT:
@@ -100,10 +101,25 @@ class Engine(Protocol[StateT, TurnT]):
         *,
         history: bool = True,
         image: Any = None,
-        conversation: Sequence[tuple[str, str]] | None = None,
     ) -> TurnT:
         """Prepare an answer (adding a prepared `image` to the conversation); refuse what the
         model cannot take with `InvalidRequest`."""
+        ...
+
+    def start_chat(
+        self, state: StateT, chat: Sequence[dict[str, Any]], params: GenerationParams
+    ) -> TurnT:
+        """Prepare an answer to a client's whole conversation (messages in the chat template's
+        format, after the system prompt), reusing what the session's cache holds of it."""
+        ...
+
+    def held_of_chat(self, state: StateT, chat: Sequence[dict[str, Any]]) -> tuple[int, bool]:
+        """Return how many of a chat's ids the session's cache holds, and whether the chat
+        carries on the session's conversation."""
+        ...
+
+    def fork(self, state: StateT, length: int) -> StateT:
+        """Return a new state with `state`'s images and the first `length` ids of its cache."""
         ...
 
     def step(self, turns: list[TurnT]) -> dict[int, BaseException]:

@@ -46,7 +46,10 @@ class Answering(Generic[TurnT]):
     turn: TurnT
     stream: bool
     replies: Replies
-    transient: bool = False  # a one-shot generate: its state is dropped at the end
+    transient: bool = False  # a one-shot answer: its state is dropped at the end, unless
+    adopt: Slot | None = None  # ... a header-less chat's, kept as a session in this slot
+    key: str | None = None  # ... under this conversation key (`chats.py`)
+    kept: bool = False  # ... which it was: the state lives on in the store
     sent_tokens: int = 0  # tokens whose line has gone out
     headers: dict[str, str] = field(default_factory=dict)  # sent with the first reply
 

@@ -43,13 +43,17 @@ class SessionOpener(Generic[StateT, TurnT]):
     def fetch(self, request: OpenSession | ChatCompletion, replies: Replies | None) -> Fetching:
         """Hold a session slot while the image loads (freed if the load cannot start)."""
         slot = self.store.reserve()
-        ref = request.image
+        if isinstance(request, OpenSession):
+            refs = [request.image] if request.image is not None else []
+            key = image_key(request.image or "")
+        else:
+            refs, key = list(request.images), request.image_key
 
-        def with_key(prepared: Any) -> tuple[Any, str]:  # on the image threads: the digest
-            return prepared, image_key(ref)
+        def with_key(prepared: Any) -> tuple[Any, str]:  # on the image threads
+            return prepared, key
 
         try:
-            image = self.images.submit(ref, then=with_key)
+            image = self.images.submit_first(refs, then=with_key)
         except BaseException:
             self.store.cancel(slot)
             raise

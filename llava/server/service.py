@@ -25,9 +25,8 @@ from dataclasses import dataclass
 from typing import Any, Generic
 
 from llava.api.dispatch import parse_request
-from llava.api.headers import CLOSED_SESSION_HEADER, NEW_SESSION
-from llava.api.openai import ChatCompletion, ListModels, check_same_chat, models_body
-from llava.api.openai_replies import OpenAIReplies
+from llava.api.headers import CLOSED_SESSION_HEADER
+from llava.api.openai import ChatCompletion, ListModels, models_body
 from llava.api.replies import (
     KitReplies,
     Replies,
@@ -41,6 +40,7 @@ from llava.api.session_api import CloseSession, Generate, OpenSession, Query, Ro
 from llava.core.errors import KitError
 from llava.core.params import Limits
 from llava.images.background import BackgroundImages, ImageSource
+from llava.server.chats import ChatDesk
 from llava.server.contract import Engine, StateT, TurnT
 from llava.server.inflight import Answering, Fetching, Opening
 from llava.server.opening import SessionOpener
@@ -91,6 +91,7 @@ class SessionService(Generic[StateT, TurnT]):
             images, engine.image_preparer(), threads=fetch_threads, processes=image_processes
         )
         self.opener: SessionOpener[StateT, TurnT] = SessionOpener(engine, store, self._images)
+        self.chats = ChatDesk(engine, store, self.opener, self._images)
         self._work: dict[str, Fetching | Opening[StateT, TurnT] | Answering[TurnT]] = {}
 
     def start_image_processes(self) -> None:
@@ -140,10 +141,10 @@ class SessionService(Generic[StateT, TurnT]):
         if isinstance(request, ListModels):
             return json_reply(models_body(self.model_name, self.started))
         if isinstance(request, ChatCompletion):
-            self._admit_chat(item.request_id, request)
+            self._work[item.request_id] = self.chats.admit(request)
             return None
         if isinstance(request, Generate):
-            image = self._images.submit(request.image)
+            image = self._images.submit_first([request.image] if request.image else [])
             self._work[item.request_id] = Fetching(request, image)
             return None
         if isinstance(request, OpenSession):
@@ -187,47 +188,14 @@ class SessionService(Generic[StateT, TurnT]):
         if pending:
             wait(pending, timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
 
-    def _admit_chat(self, request_id: str, request: ChatCompletion) -> None:
-        """Admit an OpenAI chat completion: one-shot, opening a session, or continuing one."""
-        replies = OpenAIReplies(request.model, request.include_usage)
-        if request.session is None:  # no session: a one-shot answer
-            image = self._images.submit(request.image)
-            self._work[request_id] = Fetching(request.as_generate(), image, replies=replies)
-            return
-        if request.session == NEW_SESSION:
-            self._work[request_id] = self.opener.fetch(request, replies)
-            return
-        session = self.store.begin_turn(request.session)
-        try:
-            check_same_chat(session.info, request)
-            self._start_query(request_id, request, session, replies=replies)
-        except BaseException:
-            self.store.end_turn(session)
-            raise
-
     def _start_query(
-        self,
-        request_id: str,
-        request: Query | ChatCompletion,
-        session: Session,
-        image: Any = None,
-        *,
-        replies: Replies | None = None,
-        headers: dict[str, str] | None = None,
+        self, request_id: str, request: Query, session: Session, image: Any = None
     ) -> None:
-        if isinstance(request, ChatCompletion):
-            turn = self.engine.start_turn(
-                session.state, request.prompt, request.params, conversation=request.history
-            )
-        else:
-            turn = self.engine.start_turn(
-                session.state, request.prompt, request.params, history=request.history, image=image
-            )
-            replies = KitReplies(session.id, sample_reply=request.sample_reply)
-        assert replies is not None
-        self._work[request_id] = Answering(
-            session, turn, request.stream, replies, headers=headers or {}
+        turn = self.engine.start_turn(
+            session.state, request.prompt, request.params, history=request.history, image=image
         )
+        replies = KitReplies(session.id, sample_reply=request.sample_reply)
+        self._work[request_id] = Answering(session, turn, request.stream, replies)
 
     # -- opening ---------------------------------------------------------------------------
     def _image_arrived(self, request_id: str, work: Fetching) -> Reply | None:
@@ -235,6 +203,8 @@ class SessionService(Generic[StateT, TurnT]):
         request = work.request
         if isinstance(request, Generate):
             return self._guard(lambda _: self._start_generate(request_id, work), None)
+        if isinstance(request, ChatCompletion) and work.slot is None:  # no session header
+            return self._guard(lambda _: self._chat_arrived(request_id, work), None)
         if isinstance(request, Query):
             assert work.session is not None  # a query always holds its session
             session = work.session
@@ -256,12 +226,21 @@ class SessionService(Generic[StateT, TurnT]):
         """Answer a chat completion sent with NEW_SESSION in the session just opened for it."""
         session = self.store.begin_turn(opened.id)
         headers = self.opener.headers(opened)
+        assert replies is not None
         try:
-            self._start_query(request_id, request, session, replies=replies, headers=headers)
+            self._work[request_id] = self.chats.answer(session, request, replies, headers)
         except BaseException as exc:  # the client never learns the id: close the session
             self.store.end_turn(session)
             self.store.close(session.id)
             return error_reply(as_kit_error(exc))
+        return None
+
+    def _chat_arrived(self, request_id: str, work: Fetching) -> Reply | None:
+        """A header-less chat's image is read: answer it with what the instance holds."""
+        outcome = self.chats.arrived(work)
+        if isinstance(outcome, Reply):
+            return outcome
+        self._work[request_id] = outcome
         return None
 
     def _start_generate(self, request_id: str, work: Fetching) -> None:
@@ -330,6 +309,8 @@ class SessionService(Generic[StateT, TurnT]):
             self.engine.finish_turn(work.turn)
             if not work.transient:
                 self._keep(work.session)
+            elif self.chats.adopt(work):
+                return work.finished()
         finally:
             self._end_turn(work)
         if self.snapshots is None or work.transient:
@@ -350,7 +331,10 @@ class SessionService(Generic[StateT, TurnT]):
 
     def _end_turn(self, work: Answering) -> None:
         if work.transient:
-            self.engine.release(work.session.state)
+            if work.adopt is not None:  # a header-less chat's state, not kept after all
+                self.store.cancel(work.adopt)
+            if not work.kept:
+                self.engine.release(work.session.state)
         else:
             self.store.end_turn(work.session, self._nbytes(work.session))
 

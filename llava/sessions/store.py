@@ -35,7 +35,7 @@ from llava.core.errors import (
     SessionNotFound,
 )
 from llava.core.ids import new_session_id
-from llava.sessions.policy import ByteBudget, MemoryPolicy
+from llava.sessions.policy import ByteBudget, MemoryPolicy, idle_sessions
 from llava.sessions.session import (
     CLOSED,
     ENDED_ERRORS,
@@ -88,9 +88,17 @@ class SessionStore:
 
     # -- opening ---------------------------------------------------------------------------
     def reserve(self) -> Slot:
-        """Reserve room for a new session or raise `CapacityExceeded` (429)."""
+        """Reserve room for a new session or raise `CapacityExceeded` (429).
+
+        Sessions kept for chats sent without a session header (`implicit`) are never pinned:
+        when every slot is taken, the least recently used idle one makes room."""
         with self._lock:
             self.reap()
+            if len(self._sessions) + len(self._slots) >= self.max_sessions:
+                idle = idle_sessions(list(self._sessions.values()), None)
+                implicit = [s for s in idle if s.info.get("implicit")]
+                if implicit:
+                    self._end(implicit[0], EVICTED)
             if len(self._sessions) + len(self._slots) >= self.max_sessions:
                 raise CapacityExceeded(
                     f"all {self.max_sessions} session slots are in use; retry later or close "
@@ -153,6 +161,12 @@ class SessionStore:
             session.last_used = self._clock()
             self._sessions.move_to_end(sid)
             return session
+
+    def peek(self, sid: str) -> Session | None:
+        """Return the open session `sid`, or None, without using it (its TTL runs on)."""
+        with self._lock:
+            session = self._sessions.get(sid)
+            return None if session is None or session.closing else session
 
     def begin_turn(self, sid: str) -> Session:
         """Mark a session busy for one answer; a second concurrent answer gets 409."""

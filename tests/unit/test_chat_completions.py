@@ -35,7 +35,7 @@ def refused(body: dict[str, Any]) -> InvalidRequest:
     return info.value
 
 
-def test_a_multi_turn_chat_becomes_history_and_a_question() -> None:
+def test_a_multi_turn_chat_keeps_its_messages_in_the_templates_format() -> None:
     request = parsed(
         chat(
             {"role": "system", "content": "Be brief."},
@@ -46,12 +46,46 @@ def test_a_multi_turn_chat_becomes_history_and_a_question() -> None:
             stop="\n",
         )
     )
-    assert request.image == IMAGE and request.system_prompt == "Be brief."
-    assert request.history == (("What is this?", "A cat."),)
+    assert request.images == (IMAGE,) and request.system_prompt == "Be brief."
+    assert request.chat == (
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "A cat."}]},
+        {"role": "user", "content": [{"type": "text", "text": "What color?"}]},
+    )
     assert request.prompt == "What color?"
     assert request.params.max_new_tokens == 9 and request.params.stop == ("\n",)
     assert request.params.temperature == 1.0  # OpenAI's default, not the session API's
     assert request.session is None
+
+
+IMAGE_PART = {"type": "image_url", "image_url": {"url": IMAGE}}
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": "user", "content": "Hello! What can you do?"}],  # text only
+        [{"role": "user", "content": [IMAGE_PART]}, {"role": "user", "content": "What is it?"}],
+        [{"role": "user", "content": [{"type": "text", "text": "Look:"}, IMAGE_PART,
+                                      {"type": "text", "text": "what is it?"}]}],
+        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None},
+         {"role": "user", "content": [IMAGE_PART, {"type": "text", "text": "And this?"}]}],
+    ],
+)  # fmt: skip
+def test_every_conversation_a_chat_client_sends_is_taken_as_sent(messages: list[Any]) -> None:
+    """Open WebUI's text-only questions, Gradio's image in a message of its own, several text
+    parts, a null assistant content: the parts stay in order, images become placeholders."""
+    request = parsed({"model": "llava", "messages": messages})
+    assert len(request.chat) == len(messages)
+    for sent, kept in zip(messages, request.chat, strict=True):
+        content = sent["content"] if isinstance(sent["content"], list) else [sent["content"]]
+        kinds = ["image" if isinstance(p, dict) and p["type"] == "image_url" else "text"
+                 for p in content]  # fmt: skip
+        assert [p["type"] for p in kept["content"]] == kinds
+    assert len(request.images) == sum(
+        isinstance(p, dict) and p["type"] == "image_url"
+        for m in messages if isinstance(m["content"], list) for p in m["content"]
+    )  # fmt: skip
 
 
 def test_the_session_header_decides_one_shot_new_or_continued() -> None:
@@ -70,13 +104,12 @@ def test_the_session_header_decides_one_shot_new_or_continued() -> None:
         (chat(temperature=3), "temperature"),
         (chat(stop=[""]), "stop"),
         (chat(stream_options={"include_usage": "yes"}), "stream_options"),
-        (chat({"role": "user", "content": "No image"}), "messages[0]"),
-        (chat(FIRST, FIRST), "messages[1]"),
         (chat(FIRST, {"role": "assistant", "content": "a"}), "messages"),
-        (
-            chat({"role": "user", "content": [{"type": "image_url", "image_url": {"url": IMAGE}}]}),
-            "messages[0]",
-        ),  # fmt: skip
+        (chat({"role": "tool", "content": "42"}), "messages[0]"),
+        (chat(FIRST, {"role": "system", "content": "late"}, FIRST), "messages[1]"),
+        (chat({"role": "user", "content": []}), "messages[0]"),
+        (chat({"role": "user", "content": [{"type": "input_audio"}]}), "messages[0]"),
+        (chat({"role": "assistant", "content": [IMAGE_PART]}, FIRST), "messages[0]"),
         ({"model": "llava", "messages": []}, "messages"),
     ],
 )

@@ -351,13 +351,17 @@ def test_max_new_tokens_limit_comes_from_limits() -> None:
     assert info.value.field == "max_new_tokens"
 
 
-@pytest.mark.parametrize("value", [None, "", "  ", 5, {"url": IMAGE}])
+@pytest.mark.parametrize("value", ["", "  ", 5, {"url": IMAGE}])
 def test_bad_open_image_is_rejected_naming_image(value: Any) -> None:
     assert_field({"type": "open_session", "image": value}, "image")
 
 
-def test_missing_open_image_is_rejected_naming_image() -> None:
-    assert_field({"type": "open_session"}, "image")
+@pytest.mark.parametrize(
+    "body", [{"type": "open_session"}, {"type": "open_session", "image": None}]
+)
+def test_a_session_may_open_without_an_image(image: dict[str, Any]) -> None:
+    request = parse_request(json.dumps({"type": "open_session", **image}).encode(), {})
+    assert isinstance(request, OpenSession) and request.image is None
 
 
 @pytest.mark.parametrize("value", [5, ["x"], "x" * 8_001])

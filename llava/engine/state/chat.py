@@ -48,12 +48,13 @@ class ChatFormatter:
         history: Sequence[Exchange],
         prompt: str,
         added_images: int = 0,
+        opening_images: int = 1,
     ) -> list[Message]:
         """Build the chat messages: each image comes with the question it was sent with."""
         out = [_message("system", system_prompt)] if system_prompt else []
         questions = [(e.prompt, e.added_images) for e in history] + [(prompt, added_images)]
         for i, (question, added) in enumerate(questions):
-            images = added + (1 if i == 0 else 0)
+            images = added + (opening_images if i == 0 else 0)
             content: list[dict[str, str]] = [{"type": "image"}] * images
             content.append({"type": "text", "text": question})
             out.append({"role": "user", "content": content})
@@ -61,15 +62,19 @@ class ChatFormatter:
                 out.append(_message("assistant", history[i].answer))
         return out
 
+    def chat_messages(self, system_prompt: str | None, chat: Sequence[Message]) -> list[Message]:
+        """Prepend the system prompt to a client's messages (already in the template's format)."""
+        return [_message("system", system_prompt), *chat] if system_prompt else list(chat)
+
     def render(self, messages: list[Message]) -> str:
         """Render messages as the model sees them, ending with the assistant's cue."""
         return self._processor.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=False
         )
 
-    def prefix_text(self, system_prompt: str | None) -> str:
-        """Return the text before the first question's words: system prompt and the image."""
-        full = self.render(self.messages(system_prompt, [], self._mark))
+    def prefix_text(self, system_prompt: str | None, images: int = 1) -> str:
+        """Return the text before the first question's words: system prompt and the images."""
+        full = self.render(self.messages(system_prompt, [], self._mark, 0, images))
         at = full.find(self._mark)
         if at < 0:
             raise ValueError("chat template dropped the message text; it cannot be served")

@@ -175,7 +175,7 @@ class ImageEncoder:
         refuse an added image the model or the session cannot take."""
         if image is None:
             return (current, False) if history else self.first_alone(current)
-        if not self.multi_image:
+        if not self.multi_image and current.tokens:
             raise InvalidRequest(
                 "this model was trained on one image per conversation; open a new session to "
                 "ask about another image (LLaVA-OneVision and LLaVA-Interleave take several)",
@@ -212,7 +212,7 @@ class ImageEncoder:
 
     def first_alone(self, current: ImageSet) -> tuple[ImageSet, bool]:
         """Return the opening image as a conversation of its own, and whether it was re-encoded."""
-        if len(current.tokens) == 1:
+        if len(current.tokens) <= 1:
             return current, False
         if current.opening is not None:
             return current.opening, True

@@ -49,6 +49,12 @@ class SessionState:
     cache_ids: list[int] = field(default_factory=list)  # the ids whose keys/values are cached
     tier: Tier = Tier.DEVICE
     history: list[Exchange] = field(default_factory=list)
+    prompt_len: int = 0  # ids up to the last committed turn's answer cue: its conversation
+
+    @property
+    def opening_images(self) -> int:
+        """The images the session was opened with (0 for a text-only session)."""
+        return len(self.images.tokens) - sum(e.added_images for e in self.history)
 
     @property
     def prefix_len(self) -> int:
@@ -107,6 +113,7 @@ class Turn:
     tower_tokens: int = 0  # image tokens the vision tower must produce before the prefill
     features: torch.Tensor | None = None  # the conversation's image features, once encoded
     opening: bool = False  # a new session's prefix: prefilled, nothing generated
+    records_exchange: bool = True  # False for a client's chat: the client keeps the history
     generated: list[int] = field(default_factory=list)
     text: str = ""
     delta: str = ""  # text produced by the last step

@@ -90,7 +90,9 @@ def rollback(state: SessionState, chat: ChatFormatter) -> int:
         )
     state.history = state.history[:-1]
     if state.cache is not None:
-        messages = chat.messages(state.system_prompt, state.history, last.prompt, 0)
+        messages = chat.messages(
+            state.system_prompt, state.history, last.prompt, 0, state.opening_images
+        )
         ids = chat.tokenize(chat.render(messages), state.images.tokens)
         keep = common_prefix(state.cache_ids, ids)
         crop_to(state.cache, keep)

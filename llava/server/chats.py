@@ -1,0 +1,172 @@
+"""OpenAI chat completions in the step loop: with a session header, or reusing what the instance
+holds of a conversation sent without one (what every off-the-shelf chat client does).
+
+A chat client re-sends the whole conversation every turn, every image in it again. Without a
+session header the kit still reuses what it holds: the conversation's image is matched by its
+content (the image file's bytes, however they were sent), the text by token prefix. A chat that
+carries on a held conversation is answered in that conversation's session, which grows with
+it; one that shares only a start with it (a side request over the same history, an edited or
+regenerated answer) is answered in a fork holding the shared prefix, so the original stays as
+it was. Either way only the new tokens are prefilled and the vision tower does not run again.
+What is held this way is an ordinary session (`implicit`): under the same budgets and memory
+tiers, evicted least recently used first, and never pinned: an open that finds every slot
+taken ends the oldest idle one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Generic
+
+from llava.api.headers import NEW_SESSION
+from llava.api.openai import ChatCompletion, check_same_chat
+from llava.api.openai_replies import OpenAIReplies
+from llava.api.replies import Replies, Reply, as_kit_error, error_reply
+from llava.core.errors import CapacityExceeded, InvalidRequest
+from llava.images.background import BackgroundImages
+from llava.server.contract import Engine, StateT, TurnT
+from llava.server.inflight import Answering, Fetching
+from llava.server.opening import SessionOpener
+from llava.sessions.session import Session, Slot
+from llava.sessions.store import SessionStore
+
+CANDIDATES = 4  # held conversations compared with a chat (each costs a tokenization)
+
+
+class ChatDesk(Generic[StateT, TurnT]):
+    """Admit chat completions and find what the instance holds of their conversations."""
+
+    def __init__(
+        self,
+        engine: Engine[StateT, TurnT],
+        store: SessionStore,
+        opener: SessionOpener[StateT, TurnT],
+        images: BackgroundImages,
+    ) -> None:
+        self.engine = engine
+        self.store = store
+        self.opener = opener
+        self.images = images
+        self._held: dict[str, list[str]] = {}  # conversation key -> session ids, newest last
+
+    def admit(self, request: ChatCompletion) -> Fetching | Answering[TurnT]:
+        """Start a chat: fetch its image (header-less or opening), or answer in its session."""
+        replies = OpenAIReplies(request.model, request.include_usage)
+        if len(request.images) > 1:
+            raise InvalidRequest(
+                "a chat completion here carries at most one image; add further images to a "
+                'session with the session API\'s "image" field',
+                field="messages",
+            )
+        if request.session is None:
+            image = self.images.submit_known(request.images, self._is_held(request))
+            return Fetching(request, image, replies=replies)
+        if request.session == NEW_SESSION:
+            return self.opener.fetch(request, replies)
+        session = self.store.begin_turn(request.session)
+        try:
+            check_same_chat(session.info, request)
+            return self.answer(session, request, replies)
+        except BaseException:
+            self.store.end_turn(session)
+            raise
+
+    def answer(
+        self,
+        session: Session,
+        request: ChatCompletion,
+        replies: Replies,
+        headers: dict[str, str] | None = None,
+    ) -> Answering[TurnT]:
+        """Answer a chat in a session held busy for it (committed to it when finished)."""
+        turn = self.engine.start_chat(session.state, list(request.chat), request.params)
+        return Answering(session, turn, request.stream, replies, headers=headers or {})
+
+    def arrived(self, work: Fetching) -> Fetching | Answering[TurnT] | Reply:
+        """Answer a header-less chat whose image is read: in a held session, a fork of one, or
+        a new state that is kept once answered."""
+        request, replies = work.request, work.replies
+        assert isinstance(request, ChatCompletion) and replies is not None
+        prepared, digest = work.image.result()
+        key = self._key(digest, request.system_prompt)
+        chat = list(request.chat)
+        best: tuple[int, bool, Session] | None = None
+        for session in self._candidates(key):
+            held, carries = self.engine.held_of_chat(session.state, chat)
+            if best is None or held > best[0]:
+                best = (held, carries, session)
+        if best is not None and best[1] and not best[2].busy:
+            session = self.store.begin_turn(best[2].id)
+            try:
+                return self.answer(session, request, replies)
+            except BaseException:
+                self.store.end_turn(session)
+                raise
+        if best is not None:
+            state = self.engine.fork(best[2].state, best[0])
+        elif request.images and prepared is None:  # what held it is gone: prepare it after all
+            return Fetching(
+                request, self.images.submit_known(request.images, _never), replies=replies
+            )
+        else:
+            state = self.engine.new_session(prepared, request.system_prompt)
+        return self._answer_kept(state, request, replies, key)
+
+    def adopt(self, work: Answering[TurnT]) -> bool:
+        """Keep a header-less chat's answered state as a session; tell whether it was kept."""
+        if work.adopt is None:
+            return False
+        state = work.session.state
+        session = self.store.add(work.adopt, state, state.nbytes, implicit=True, key=work.key)
+        work.adopt, work.kept = None, True
+        self._held.setdefault(work.key or "", []).append(session.id)
+        return True
+
+    def _answer_kept(
+        self, state: StateT, request: ChatCompletion, replies: Replies, key: str
+    ) -> Answering[TurnT] | Reply:
+        """Answer in a state of its own, kept as a session afterwards if a slot is free."""
+        try:
+            turn = self.engine.start_chat(state, list(request.chat), request.params)
+        except BaseException as exc:
+            self.engine.release(state)
+            return error_reply(as_kit_error(exc))
+        slot: Slot | None
+        try:
+            slot = self.store.reserve()
+        except CapacityExceeded:  # every slot holds an open session: answer, keep nothing
+            slot = None
+        session = Session("", state, 0, 0.0, busy=True)
+        return Answering(
+            session, turn, request.stream, replies, transient=True, adopt=slot, key=key
+        )
+
+    def _candidates(self, key: str) -> list[Session]:
+        """The sessions still holding a conversation with this key, newest first."""
+        ids = [sid for sid in self._held.get(key, []) if sid in self.store]
+        if ids:
+            self._held[key] = ids
+        else:
+            self._held.pop(key, None)
+        sessions = []
+        for sid in reversed(ids[-CANDIDATES:]):
+            session = self.store.peek(sid)
+            if session is not None and session.state is not None and not session.closing:
+                sessions.append(session)
+        return sessions
+
+    def _is_held(self, request: ChatCompletion) -> Any:
+        """What tells the image threads that a session holds this image (skip preparing it)."""
+        system_prompt = request.system_prompt
+
+        def known(digest: str) -> bool:
+            return bool(self._held.get(self._key(digest, system_prompt)))
+
+        return known
+
+    @staticmethod
+    def _key(digest: str, system_prompt: str | None) -> str:
+        return f"{digest}\n{system_prompt or ''}"
+
+
+def _never(digest: str) -> bool:
+    return False
