@@ -356,9 +356,7 @@ def test_bad_open_image_is_rejected_naming_image(value: Any) -> None:
     assert_field({"type": "open_session", "image": value}, "image")
 
 
-@pytest.mark.parametrize(
-    "body", [{"type": "open_session"}, {"type": "open_session", "image": None}]
-)
+@pytest.mark.parametrize("image", [{}, {"image": None}])
 def test_a_session_may_open_without_an_image(image: dict[str, Any]) -> None:
     request = parse_request(json.dumps({"type": "open_session", **image}).encode(), {})
     assert isinstance(request, OpenSession) and request.image is None

@@ -1,0 +1,220 @@
+"""Chat clients' follow-ups: header-less reuse against the session header and one-shot serving.
+
+    python bench/chats.py                     # llava15 through TorchServe, then the 100-turn curve
+    python bench/chats.py --turns 6 --long-turns 0    # the side-by-side table only
+
+A chat client re-sends the whole conversation every turn, its image as base64 each time. One
+server, one run, three ways side by side for every turn: **header-less** (what Open WebUI,
+LibreChat, LangChain and Gradio send: no session header; the kit finds what it holds of the
+chat), **session header** (`X-Amzn-SageMaker-Session-Id`, the kit's stateful path) and
+**one-shot** (the same chat with a system prompt no other request shares, so nothing held
+matches: everything is recomputed, as a server without reuse would). Time to first token is the
+client's: the first streamed chunk that carries a token. Then one header-less chat of
+`--long-turns` turns, for the curve of follow-up TTFT against the turn. Figures go to
+bench/results/chats.json and the terminal (Markdown tables).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from load import photo_uri, start  # noqa: E402
+
+from llava.api.headers import NEW_SESSION, NEW_SESSION_HEADER, SESSION_HEADER  # noqa: E402
+
+QUESTIONS = [
+    "What is shown in this picture?",
+    "Which colors stand out?",
+    "Is there anything unusual?",
+    "Describe the left part.",
+    "What happened just before?",
+    "Summarize in one sentence.",
+]
+
+
+class Chat:
+    """One chat as a chat client holds it: the messages, re-sent whole every turn."""
+
+    def __init__(self, url: str, image: str, system: str, tokens: int, header: str | None) -> None:
+        self.url, self.tokens, self.header = url, tokens, header
+        self.messages: list[dict[str, Any]] = [{"role": "system", "content": system}]
+        self.image = image
+        self.http = httpx.Client(timeout=600)
+
+    def ask(self, question: str) -> dict[str, Any]:
+        """Send the chat with one more question, streamed; return TTFT and usage."""
+        first = len(self.messages) == 1
+        content: Any = question
+        if first:
+            content = [
+                {"type": "image_url", "image_url": {"url": self.image}},
+                {"type": "text", "text": question},
+            ]
+        self.messages.append({"role": "user", "content": content})
+        body = {
+            "model": "llava",
+            "messages": self.messages,
+            "max_tokens": self.tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        headers = {"Content-Type": "application/json"}
+        if self.header is not None:
+            headers[SESSION_HEADER] = self.header
+        sent = time.perf_counter()
+        ttft, text, usage = None, [], {}
+        with self.http.stream("POST", self.url, json=body, headers=headers) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:300]!r}")
+            if self.header == NEW_SESSION:
+                self.header = r.headers[NEW_SESSION_HEADER].split(";")[0]
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if event.get("usage"):
+                    usage = event["usage"]
+                for choice in event.get("choices", []):
+                    if "content" in choice.get("delta", {}):
+                        ttft = ttft or time.perf_counter()
+                        text.append(choice["delta"]["content"])
+        self.messages.append({"role": "assistant", "content": "".join(text)})
+        return {
+            "ttft_ms": round(1000 * ((ttft or time.perf_counter()) - sent), 1),
+            "prompt_tokens": usage.get("prompt_tokens"),
+            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
+        }
+
+
+def side_by_side(url: str, image: str, turns: int, tokens: int, repeats: int) -> dict[str, Any]:
+    """Per turn, the three ways interleaved (one turn of each in turn), medians of repeats."""
+    runs: dict[str, list[list[dict[str, Any]]]] = {"header-less": [], "session": [], "one-shot": []}
+    for repeat in range(repeats):
+        chats = {
+            "header-less": Chat(url, image, f"Answer briefly. ({repeat})", tokens, None),
+            "session": Chat(url, image, f"Answer briefly. ({repeat})", tokens, NEW_SESSION),
+        }
+        one_shot = Chat(url, image, "", tokens, None)
+        rows: dict[str, list[dict[str, Any]]] = {name: [] for name in runs}
+        for turn in range(turns):
+            question = QUESTIONS[turn % len(QUESTIONS)]
+            for name, chat in chats.items():
+                rows[name].append(chat.ask(question))
+            # a system prompt of its own every turn: nothing held matches
+            one_shot.messages[0]["content"] = f"Answer briefly. ({repeat}.{turn}.{time.time()})"
+            rows["one-shot"].append(one_shot.ask(question))
+            print(f"repeat {repeat + 1}, turn {turn + 1}: " + ", ".join(
+                f"{n} {rows[n][-1]['ttft_ms']} ms" for n in rows), file=sys.stderr)  # fmt: skip
+        for name in runs:
+            runs[name].append(rows[name])
+    out: dict[str, Any] = {}
+    for name, conversations in runs.items():
+        out[name] = [
+            {
+                "turn": turn + 1,
+                "ttft_ms": statistics.median(c[turn]["ttft_ms"] for c in conversations),
+                "cached_tokens": conversations[0][turn]["cached_tokens"],
+                "prompt_tokens": conversations[0][turn]["prompt_tokens"],
+            }
+            for turn in range(turns)
+        ]
+    return out
+
+
+def long_chat(url: str, image: str, turns: int, tokens: int) -> dict[str, Any]:
+    """One header-less chat of many turns: follow-up TTFT against the turn."""
+    chat = Chat(url, image, "Answer briefly.", tokens, None)
+    rows = []
+    for turn in range(turns):
+        rows.append({"turn": turn + 1, **chat.ask(QUESTIONS[turn % len(QUESTIONS)])})
+        if (turn + 1) % 10 == 0:
+            print(f"long chat: turn {turn + 1}, {rows[-1]}", file=sys.stderr)
+    early = [r["ttft_ms"] for r in rows[1:11]]
+    late = [r["ttft_ms"] for r in rows[-10:]]
+    return {
+        "rows": rows,
+        "mean_turns_2_11_ms": round(statistics.mean(early), 1),
+        f"mean_turns_{turns - 9}_{turns}_ms": round(statistics.mean(late), 1),
+        "late_over_early": round(statistics.mean(late) / statistics.mean(early), 3),
+    }
+
+
+def tables(results: dict[str, Any]) -> str:
+    side = results["side_by_side"]
+    lines = [
+        "| turn | header-less TTFT ms (cached / prompt tokens) | session header TTFT ms "
+        "| one-shot TTFT ms | header-less / session |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for h, s, o in zip(side["header-less"], side["session"], side["one-shot"], strict=True):
+        lines.append(
+            f"| {h['turn']} | {h['ttft_ms']} ({h['cached_tokens']} / {h['prompt_tokens']}) "
+            f"| {s['ttft_ms']} | {o['ttft_ms']} | {h['ttft_ms'] / s['ttft_ms']:.2f}x |"
+        )
+    long = results.get("long_chat")
+    if long:
+        keys = [k for k in long if k.startswith("mean_")]
+        lines += [
+            "",
+            f"Long header-less chat: {keys[0]} {long[keys[0]]}, {keys[1]} {long[keys[1]]}, "
+            f"late / early **{long['late_over_early']}x**",
+        ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="llava15")
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--long-turns", type=int, default=100)
+    parser.add_argument("--out", type=Path, default=HERE / "results")
+    args = parser.parse_args(argv)
+
+    from llava.tools.archive import build_archive, resolve_model
+
+    work = Path(tempfile.mkdtemp())
+    build_archive(resolve_model(args.model), work / "store", name="llava")
+    image = photo_uri(7, (640, 400))
+    ts = start(work / "store", work / "chats")
+    try:
+        url = ts.url("/predictions/llava/1.0/v1/chat/completions")
+        results: dict[str, Any] = {
+            "meta": {
+                "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+                "machine": platform.platform(),
+                "model": args.model,
+                "answer_tokens": args.tokens,
+                "repeats": args.repeats,
+            },
+            "side_by_side": side_by_side(url, image, args.turns, args.tokens, args.repeats),
+        }
+        if args.long_turns:
+            results["long_chat"] = long_chat(url, photo_uri(8, (640, 400)), args.long_turns, 8)
+    finally:
+        ts.stop()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "chats.json").write_text(json.dumps(results, indent=2))
+    print(tables(results))
+    print(f"wrote {args.out / 'chats.json'}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
