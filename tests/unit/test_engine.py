@@ -287,3 +287,41 @@ def test_the_tower_runs_in_a_step_or_with_the_processor_and_answers_agree(
     # Every token after an answer's first is a step that only decodes, and each one was timed.
     decode_only = [p for p in observed if p.decode and not p.prefill and not p.encode]
     assert len(decode_only) == sum(len(t.generated) - 1 for t in turns)
+
+
+@pytest.mark.parametrize("together", [False, True])
+def test_a_generated_image_token_is_text_and_the_session_goes_on(
+    engine, reference, monkeypatch, together
+):
+    """Sampling can pick the image token itself (at OpenAI's default temperature it happened on
+    the first question of a chat client). It is fed back as text, as transformers' `generate`
+    does; the answer's text leaves it out, and the next turn is the pipeline's."""
+    from llava.engine.decoding import decoder as decoder_module
+
+    image = make_image(41)
+    states = [engine.open_session(image) for _ in range(2 if together else 1)]
+    real = decoder_module.next_token
+    picked: list[int] = []
+
+    def first_pick_is_the_image_token(logits, params, generator):
+        if len(picked) < len(states):  # each answer's second token
+            picked.append(engine.runner.image_token_id)
+            return engine.runner.image_token_id
+        return real(logits, params, generator)
+
+    turns = [engine.start_turn(s, "What is this?", GREEDY) for s in states]
+    while any(not t.done for t in turns):  # the first tokens come from the prefill
+        if all(t.generated for t in turns):
+            monkeypatch.setattr(decoder_module, "next_token", first_pick_is_the_image_token)
+        assert not engine.step([t for t in turns if not t.done])
+    for turn in turns:
+        engine.finish_turn(turn)
+        assert engine.runner.image_token_id in turn.generated
+        assert engine.runner.chat.image_token not in turn.text
+    monkeypatch.setattr(decoder_module, "next_token", real)
+    answer_1 = turns[0].text
+    follow = answer(engine, states[0], "And the colors?").text
+    oracle = reference.answer(
+        [image], reference.messages(None, [("What is this?", answer_1)], "And the colors?"), 10
+    )
+    assert follow == oracle

@@ -168,14 +168,21 @@ def image_features(model: Any, image: ProcessedImages, device: torch.device) -> 
 def embed(
     model: Any, ids: list[int], token_id: int, features: torch.Tensor | None, offset: int
 ) -> torch.Tensor:
-    """Embed ids [1, n, hidden]; image tokens take features[offset:] in order."""
+    """Embed ids [1, n, hidden]; image tokens take features[offset:] in order.
+
+    Without features every id is text: a generated token is text even where it is the image
+    token's id (as in transformers' `generate`, which merges image features into the prompt
+    only), so an answer that samples it goes on instead of failing.
+    """
     device = model.get_input_embeddings().weight.device
     tensor = torch.tensor([ids], device=device)
     embeds = model.get_input_embeddings()(tensor)
+    if features is None:
+        return embeds
     mask = tensor[0] == token_id
     count = int(mask.sum())
     if count:
-        if features is None or offset + count > features.shape[0]:
+        if offset + count > features.shape[0]:
             raise RuntimeError("the conversation has more image tokens than the session's images")
         chunk = features[offset : offset + count].to(device, embeds.dtype)
         embeds[0, mask] = chunk
