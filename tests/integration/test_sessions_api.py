@@ -78,7 +78,7 @@ def test_missing_session_header_also_opens(server, client):
         ({"type": "query", "prompt": "hi"}, None, 400, "invalid_request"),
         ({"type": "query", "prompt": "hi"}, "bad_id.with_dots", 400, "invalid_request"),
         ({"type": "dance"}, None, 400, "invalid_request"),
-        ({"type": "open_session"}, None, 400, "invalid_request"),
+        ({"type": "open_session", "image": " "}, None, 400, "invalid_request"),
         (
             {"type": "open_session", "image": "data:image/png;base64,AAAA"},
             None,
