@@ -31,11 +31,11 @@ from typing import Any
 import torch
 
 from llava.core.config import ServerConfig
-from llava.core.errors import ContextLengthExceeded, InvalidRequest
+from llava.core.errors import InvalidRequest
 from llava.core.families import checkpoint_family
 from llava.core.params import GenerationParams
 from llava.core.tiers import Tier
-from llava.engine.decoding.sampling import Detokenizer, make_generator
+from llava.engine import turns
 from llava.engine.model.cache import crop_to
 from llava.engine.model.loading import load_model, load_processor, resolve_devices
 from llava.engine.runner import ModelRunner
@@ -43,7 +43,7 @@ from llava.engine.scheduling.calibrate import calibrate
 from llava.engine.selfcheck import self_check
 from llava.engine.state import snapshot, tiers
 from llava.engine.state.chat import Exchange, Message, common_prefix
-from llava.engine.state.imageset import EMPTY, ImagePreparer, ImageSet, PreparedImages
+from llava.engine.state.imageset import EMPTY, ImagePreparer, PreparedImages
 from llava.engine.state.session import Replica, SessionState, Turn
 from llava.engine.stepping import run_step
 
@@ -87,7 +87,7 @@ class LlavaEngine:
         self, image: PreparedImages | None, system_prompt: str | None = None
     ) -> SessionState:
         """Make a session's state from a prepared image (or none); nothing is computed yet."""
-        self._refuse_placeholder(system_prompt, "system_prompt")
+        turns.refuse_placeholder(self.runner, system_prompt, "system_prompt")
         replica = min(self.runner.replicas, key=lambda r: r.sessions)
         images = EMPTY if image is None else self.runner.images.start(image, replica.device)
         chat = self.runner.chat
@@ -104,8 +104,8 @@ class LlavaEngine:
         Stepped like an answer (in tower runs and chunks), it generates nothing; `finish_turn`
         commits it. In `pixels` mode there is nothing to compute: the turn is already done.
         """
-        turn = self._new_turn(
-            state, "", GenerationParams(), state.prefix_ids, [], state.images, 0, 0
+        turn = turns.new_turn(
+            self.runner, state, "", GenerationParams(), state.prefix_ids, [], state.images, 0, 0
         )
         turn.opening = True
         if not self.runner.keeps_kv:
@@ -137,7 +137,7 @@ class LlavaEngine:
         if state.cache is not None:
             raise ValueError("replay needs a state without a cache (made by new_session)")
         for question, _ in history:
-            self._refuse_placeholder(question, "history")
+            turns.refuse_placeholder(self.runner, question, "history")
         state.history = [Exchange(question, answer) for question, answer in history]
 
     def release(self, state: SessionState) -> None:
@@ -186,8 +186,8 @@ class LlavaEngine:
         prepared by `prepare(image, state)`.
         """
         runner = self.runner
-        self._refuse_placeholder(prompt, "prompt")
-        self._check_prompt_tokens(prompt, "prompt")
+        turns.refuse_placeholder(self.runner, prompt, "prompt")
+        turns.check_prompt_tokens(self.runner, prompt, "prompt")
         if image is not None and not isinstance(image, PreparedImages):  # in-process callers
             image = self.prepare(image, state)
         images, reencoded = runner.images.for_turn(state.images, image, history)
@@ -200,11 +200,13 @@ class LlavaEngine:
         )
         text = runner.chat.render(messages)
         ids = runner.chat.tokenize(text, images.tokens)
-        room = self._room(ids, "prompt")
-        common = self._reusable(state, ids)
+        room = turns.room_for_answer(self.runner, ids, "prompt")
+        common = turns.reusable(self.runner, state, ids)
         if reencoded:  # the image tokens match but their features changed: recompute them
             common = min(common, ids.index(runner.image_token_id))
-        turn = self._new_turn(state, prompt, params, ids, past, images, common, added, history)
+        turn = turns.new_turn(
+            self.runner, state, prompt, params, ids, past, images, common, added, history
+        )
         turn.max_new_tokens = min(params.max_new_tokens, room)
         return turn
 
@@ -221,10 +223,10 @@ class LlavaEngine:
         runner = self.runner
         texts = [p["text"] for m in chat for p in m["content"] if p["type"] == "text"]
         for text in texts:
-            self._refuse_placeholder(text, "messages")
+            turns.refuse_placeholder(self.runner, text, "messages")
         question = "".join(p["text"] for p in chat[-1]["content"] if p["type"] == "text")
-        self._check_prompt_tokens(question, "messages")
-        wanted = _images_in(chat)
+        turns.check_prompt_tokens(self.runner, question, "messages")
+        wanted = turns.images_in(chat)
         if wanted != len(state.images.tokens):
             raise InvalidRequest(
                 f"the messages hold {wanted} image(s), the session {len(state.images.tokens)}",
@@ -232,9 +234,11 @@ class LlavaEngine:
             )
         rendered = runner.chat.render(runner.chat.chat_messages(state.system_prompt, chat))
         ids = runner.chat.tokenize(rendered, state.images.tokens)
-        room = self._room(ids, "messages")
-        common = self._reusable(state, ids)
-        turn = self._new_turn(state, question, params, ids, state.history, state.images, common, 0)
+        room = turns.room_for_answer(self.runner, ids, "messages")
+        common = turns.reusable(self.runner, state, ids)
+        turn = turns.new_turn(
+            self.runner, state, question, params, ids, state.history, state.images, common, 0
+        )
         turn.records_exchange = False
         turn.max_new_tokens = min(params.max_new_tokens, room)
         return turn
@@ -245,7 +249,7 @@ class LlavaEngine:
 
         A re-sent chat with one more question carries on; a side request or an edited chat
         over the same start shares a prefix only, and is answered in a `fork`."""
-        if self.runner.images.keep_pixels or len(state.images.tokens) != _images_in(chat):
+        if self.runner.images.keep_pixels or len(state.images.tokens) != turns.images_in(chat):
             return 0, False
         chat_format = self.runner.chat
         text = chat_format.render(chat_format.chat_messages(state.system_prompt, chat))
@@ -268,74 +272,6 @@ class LlavaEngine:
             copy.tier = Tier.FEATURES
         state.replica.sessions += 1
         return copy
-
-    def _check_prompt_tokens(self, text: str, field: str) -> None:
-        """Refuse a question over `max_prompt_tokens` (counted on its own)."""
-        tokens = self.runner.chat.count_tokens(text)
-        limit = self.runner.config.max_prompt_tokens
-        if tokens > limit:
-            raise InvalidRequest(f"prompt is {tokens} tokens, the limit is {limit}", field=field)
-
-    def _room(self, ids: list[int], field: str) -> int:
-        """Return how many tokens an answer may take; refuse a conversation past the context."""
-        room = self.runner.max_context - len(ids)
-        if room < 1:
-            raise ContextLengthExceeded(
-                f"the conversation is {len(ids)} tokens and the model's context is "
-                f"{self.runner.max_context}: open a new session, or shorten the conversation",
-                field=field,
-                limit=self.runner.max_context,
-                tokens=len(ids),
-            )
-        return room
-
-    def _reusable(self, state: SessionState, ids: list[int]) -> int:
-        """Return how many of `ids` the session's cache holds (at least one is fed again)."""
-        if not self.runner.keeps_kv:
-            return 0
-        return min(common_prefix(state.cache_ids, ids), len(ids) - 1)
-
-    def _new_turn(
-        self,
-        state: SessionState,
-        prompt: str,
-        params: GenerationParams,
-        ids: list[int],
-        past: list[Exchange],
-        images: ImageSet,
-        common: int,
-        added: int,
-        history: bool = True,
-    ) -> Turn:
-        """Bring the session's cache back, keep its first `common` ids and plan the rest."""
-        cache, found = tiers.for_turn(
-            state, common, self.runner.num_layers, self.runner.keeps_kv, history
-        )
-        tower = self.runner.images.pending_tokens(images)
-        if images.processed is not None:  # pixels mode: the tower runs for every answer
-            tower = images.processed.total
-        return Turn(
-            state=state,
-            prompt=prompt,
-            params=params,
-            branch=not history,
-            images=images,
-            added_images=added,
-            past=list(past),
-            cache=cache,
-            start_len=common,
-            ids=ids,
-            fed=ids[:common],
-            pending=ids[common:],
-            max_new_tokens=0,
-            detokenizer=Detokenizer(self.runner.tokenizer),
-            generator=make_generator(params, state.replica.device),
-            found_in=found,
-            prefill_tokens=len(ids) - common,
-            cached_tokens=common,
-            tower_tokens=tower,
-            features=images.features if not tower else None,
-        )
 
     def step(self, turns: list[Turn]) -> dict[int, BaseException]:
         """Run this step's share of every turn, as the scheduler plans it (`stepping.py`);
@@ -382,19 +318,6 @@ class LlavaEngine:
         self.runner.decoder.split_all()
         if any(r.device.type == "cuda" for r in self.runner.replicas):
             torch.cuda.empty_cache()
-
-    def _refuse_placeholder(self, text: str | None, field: str) -> None:
-        token = self.runner.chat.image_token
-        if text and token in text:
-            raise InvalidRequest(
-                f"{field} contains the model's image placeholder {token!r}; "
-                "send images in the image field",
-                field=field,
-            )
-
-
-def _images_in(chat: Sequence[Message]) -> int:
-    return sum(part["type"] == "image" for message in chat for part in message["content"])
 
 
 __all__ = ["LlavaEngine", "SessionState", "Tier", "Turn"]
