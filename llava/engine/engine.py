@@ -90,6 +90,7 @@ class LlavaEngine:
         turns.refuse_placeholder(self.runner, system_prompt, "system_prompt")
         replica = min(self.runner.replicas, key=lambda r: r.sessions)
         images = EMPTY if image is None else self.runner.images.start(image, replica.device)
+        self.runner.images.check_count(len(images.tokens))
         chat = self.runner.chat
         prefix = chat.tokenize(chat.prefix_text(system_prompt, len(images.tokens)), images.tokens)
         state = SessionState(replica, system_prompt, images, prefix)

@@ -83,25 +83,21 @@ class BackgroundImages:
         pool = self._local if is_inline(ref) else self._fetch
         return pool.submit(self._load, ref, list(earlier), then)
 
-    def submit_known(self, refs: Sequence[str], known: Callable[[str], bool]) -> Future:
-        """Load the first of `refs` (or none) for a conversation that may already be held: the
-        future holds (prepared image or None, content digest); the image is not prepared (no
-        processor, no vision tower) when `known(digest)` says a session holds it already."""
+    def submit_all(
+        self, refs: Sequence[str], known: Callable[[str], bool] = lambda digest: False
+    ) -> Future:
+        """Load a conversation's images (any number) and prepare them together.
+
+        The future holds (prepared images or None, content digest): the digest identifies the
+        images by their files' bytes, however they were sent, and the images are not prepared
+        (no processor, no vision tower) when `known(digest)` says a session holds them already.
+        """
         if not refs:
             ready: Future = Future()
             ready.set_result((None, ""))
             return ready
-        pool = self._local if is_inline(refs[0]) else self._fetch
-        return pool.submit(self._load_known, refs[0], known)
-
-    def submit_first(self, refs: Sequence[str], then: Callable[[Any], Any] | None = None) -> Future:
-        """Like `submit` for the first of `refs`; with none, a future already holding `then`'s
-        result for no image (None)."""
-        if refs:
-            return self.submit(refs[0], then=then)
-        ready: Future = Future()
-        ready.set_result(then(None) if then is not None else None)
-        return ready
+        pool = self._local if all(is_inline(r) for r in refs) else self._fetch
+        return pool.submit(self._load_all, list(refs), known)
 
     def close(self) -> None:
         """Stop the threads and processes, dropping loads not yet started."""
@@ -115,11 +111,14 @@ class BackgroundImages:
             prepared = self._prepared(self._source.read(ref), earlier)
         return then(prepared) if then is not None else prepared
 
-    def _load_known(self, ref: str, known: Callable[[str], bool]) -> tuple[Any, str]:
+    def _load_all(self, refs: list[str], known: Callable[[str], bool]) -> tuple[Any, str]:
         with _naming_image():
-            data = self._source.read(ref)
-            digest = content_digest(data)
-            return (None if known(digest) else self._prepared(data, [])), digest
+            data = [self._source.read(ref) for ref in refs]
+            digest = "+".join(content_digest(d) for d in data)
+            if known(digest):
+                return None, digest
+            earlier = [self._source.decoder(d) for d in data[:-1]]  # processed with the last
+            return self._prepared(data[-1], earlier), digest
 
     def _prepared(self, data: Any, earlier: list[Any]) -> Any:
         if self.processes is not None:

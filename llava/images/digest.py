@@ -6,6 +6,7 @@ import hashlib
 from typing import Any
 
 from llava.images.inline import read_inline
+from llava.images.refs import is_inline
 
 
 def content_digest(data: Any) -> str:
@@ -15,7 +16,8 @@ def content_digest(data: Any) -> str:
     threads); their bytes are hashed here, so base64 and a URL to the same file agree.
     """
     if isinstance(data, str):
-        data = read_inline(data, max_bytes=len(data))  # base64 is longer than what it carries
+        text = data.encode()
+        data = read_inline(data, max_bytes=len(data)) if is_inline(data) else text
     elif not isinstance(data, (bytes, bytearray)):
         raw = getattr(data, "tobytes", None)  # an already decoded image
         data = raw() if callable(raw) else repr(data).encode()

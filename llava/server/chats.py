@@ -21,7 +21,7 @@ from llava.api.headers import NEW_SESSION
 from llava.api.openai import ChatCompletion, check_same_chat
 from llava.api.openai_replies import OpenAIReplies
 from llava.api.replies import Replies, Reply, as_kit_error, error_reply
-from llava.core.errors import CapacityExceeded, InvalidRequest
+from llava.core.errors import CapacityExceeded
 from llava.images.background import BackgroundImages
 from llava.server.contract import Engine, StateT, TurnT
 from llava.server.inflight import Answering, Fetching
@@ -51,14 +51,8 @@ class ChatDesk(Generic[StateT, TurnT]):
     def admit(self, request: ChatCompletion) -> Fetching | Answering[TurnT]:
         """Start a chat: fetch its image (header-less or opening), or answer in its session."""
         replies = OpenAIReplies(request.model, request.include_usage)
-        if len(request.images) > 1:
-            raise InvalidRequest(
-                "a chat completion here carries at most one image; add further images to a "
-                'session with the session API\'s "image" field',
-                field="messages",
-            )
         if request.session is None:
-            image = self.images.submit_known(request.images, self._is_held(request))
+            image = self.images.submit_all(request.images, self._is_held(request))
             return Fetching(request, image, replies=replies)
         if request.session == NEW_SESSION:
             return self.opener.fetch(request, replies)
@@ -104,9 +98,7 @@ class ChatDesk(Generic[StateT, TurnT]):
         if best is not None:
             state = self.engine.fork(best[2].state, best[0])
         elif request.images and prepared is None:  # what held it is gone: prepare it after all
-            return Fetching(
-                request, self.images.submit_known(request.images, _never), replies=replies
-            )
+            return Fetching(request, self.images.submit_all(request.images), replies=replies)
         else:
             state = self.engine.new_session(prepared, request.system_prompt)
         return self._answer_kept(state, request, replies, key)
@@ -166,7 +158,3 @@ class ChatDesk(Generic[StateT, TurnT]):
     @staticmethod
     def _key(digest: str, system_prompt: str | None) -> str:
         return f"{digest}\n{system_prompt or ''}"
-
-
-def _never(digest: str) -> bool:
-    return False

@@ -10,7 +10,7 @@ An open passes through three stages, each bounded so the shared step loop never 
 
 from __future__ import annotations
 
-from typing import Any, Generic
+from typing import Generic
 
 from llava.api.headers import NEW_SESSION_HEADER, SESSION_HEADER, expires_header, iso_utc
 from llava.api.openai import ChatCompletion, chat_info, image_key
@@ -45,15 +45,10 @@ class SessionOpener(Generic[StateT, TurnT]):
         slot = self.store.reserve()
         if isinstance(request, OpenSession):
             refs = [request.image] if request.image is not None else []
-            key = image_key(request.image or "")
         else:
-            refs, key = list(request.images), request.image_key
-
-        def with_key(prepared: Any) -> tuple[Any, str]:  # on the image threads
-            return prepared, key
-
+            refs = list(request.images)
         try:
-            image = self.images.submit_first(refs, then=with_key)
+            image = self.images.submit_all(refs)
         except BaseException:
             self.store.cancel(slot)
             raise
@@ -65,7 +60,7 @@ class SessionOpener(Generic[StateT, TurnT]):
         assert work.slot is not None and isinstance(request, (OpenSession, ChatCompletion))
         state: StateT | None = None
         try:
-            prepared, key = work.image.result()
+            prepared, _ = work.image.result()
             state = self.engine.new_session(prepared, request.system_prompt)
             if isinstance(request, OpenSession) and request.history:
                 self.engine.replay(state, list(request.history))
@@ -73,6 +68,10 @@ class SessionOpener(Generic[StateT, TurnT]):
         except BaseException as exc:
             self._cancel(work.slot, state)
             return error_reply(as_kit_error(exc))
+        if isinstance(request, ChatCompletion):
+            key = request.image_key
+        else:
+            key = image_key(request.image or "")
         info = chat_info(key, request.system_prompt)
         return Opening(request, work.slot, state, turn, info, work.replies)
 

@@ -144,7 +144,7 @@ class SessionService(Generic[StateT, TurnT]):
             self._work[item.request_id] = self.chats.admit(request)
             return None
         if isinstance(request, Generate):
-            image = self._images.submit_first([request.image] if request.image else [])
+            image = self._images.submit_all([request.image] if request.image else [])
             self._work[item.request_id] = Fetching(request, image)
             return None
         if isinstance(request, OpenSession):
@@ -247,7 +247,8 @@ class SessionService(Generic[StateT, TurnT]):
         """Turn a one-shot generate whose image arrived into an answer with a transient state."""
         request = work.request
         assert isinstance(request, Generate)
-        state = self.engine.new_session(work.image.result(), request.system_prompt)
+        prepared, _ = work.image.result()
+        state = self.engine.new_session(prepared, request.system_prompt)
         try:
             self.engine.replay(state, list(request.history))
             turn = self.engine.start_turn(state, request.prompt, request.params)

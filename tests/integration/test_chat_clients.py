@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from conftest import serving_profile
 from helpers import Reference, data_uri, make_image
 
 pytestmark = pytest.mark.integration
@@ -194,3 +195,33 @@ def test_langchain_chat_openai_holds_a_chat_with_an_image(server, reference):
     final = llm.invoke(history)
     assert final.content == reference.chat_answer(sent, {url: picture}, TOKENS)
     assert cached[0] == 0 < cached[1]
+
+
+@pytest.fixture(scope="module", params=["interleave", "onevision"])
+def several(request, tmp_path_factory):
+    """A family trained on several images: Interleave encodes each alone, OneVision together."""
+    with serving_profile(request.param, tmp_path_factory) as served:
+        yield served
+
+
+def test_a_chat_with_images_in_several_messages_on_a_multi_image_family(several):
+    server, reference = several
+    client = openai.OpenAI(
+        base_url=server.url("/predictions/llava/1.0/v1"), api_key="unused", max_retries=0
+    )
+    first, second = make_image(307, (50, 40)), make_image(308, (36, 60))
+    urls = {data_uri(first): first, data_uri(second): second}
+    one, two = list(urls)
+    chat: list[dict[str, Any]] = [
+        {"role": "user", "content": [image_part(one), {"type": "text", "text": "What is it?"}]}
+    ]
+    answer = ask(client, chat).choices[0].message.content
+    assert answer == reference.chat_answer(chat, urls, TOKENS)
+    chat += [
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": [{"type": "text", "text": "And this one?"}, image_part(two)]},
+    ]
+    completion = ask(client, chat)
+    assert completion.choices[0].message.content == reference.chat_answer(chat, urls, TOKENS)
+    again = ask(client, chat)  # the same two-image chat re-sent: held, nothing to prepare
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1

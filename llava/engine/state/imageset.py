@@ -168,6 +168,21 @@ class ImageEncoder:
         pending = processed if prepared.features is None else None
         return ImageSet(processed.tokens, prepared.features, None, prepared.sources, pending)
 
+    def check_count(self, count: int) -> None:
+        """Refuse a conversation with more images than the model or the session takes."""
+        if count > 1 and not self.multi_image:
+            raise InvalidRequest(
+                f"the conversation has {count} images and this model was trained on one per "
+                "conversation (LLaVA-OneVision and LLaVA-Interleave take several)",
+                field="messages",
+            )
+        if count > self.max_images:
+            raise InvalidRequest(
+                f"the conversation has {count} images, over the limit of {self.max_images} "
+                "(max_images_per_session)",
+                field="messages",
+            )
+
     def for_turn(
         self, current: ImageSet, image: PreparedImages | None, history: bool
     ) -> tuple[ImageSet, bool]:
