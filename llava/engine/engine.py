@@ -233,8 +233,7 @@ class LlavaEngine:
                 f"the messages hold {wanted} image(s), the session {len(state.images.tokens)}",
                 field="messages",
             )
-        rendered = runner.chat.render(runner.chat.chat_messages(state.system_prompt, chat))
-        ids = runner.chat.tokenize(rendered, state.images.tokens)
+        ids = runner.chat.chat_ids(state.system_prompt, chat, state.images.tokens)
         room = turns.room_for_answer(self.runner, ids, "messages")
         common = turns.reusable(self.runner, state, ids)
         turn = turns.new_turn(
@@ -252,9 +251,7 @@ class LlavaEngine:
         over the same start shares a prefix only, and is answered in a `fork`."""
         if self.runner.images.keep_pixels or len(state.images.tokens) != turns.images_in(chat):
             return 0, False
-        chat_format = self.runner.chat
-        text = chat_format.render(chat_format.chat_messages(state.system_prompt, chat))
-        ids = chat_format.tokenize(text, state.images.tokens)
+        ids = self.runner.chat.chat_ids(state.system_prompt, chat, state.images.tokens)
         held = common_prefix(state.cache_ids, ids)
         return held, held >= state.prompt_len
 

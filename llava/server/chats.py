@@ -72,7 +72,7 @@ class ChatDesk(Generic[StateT, TurnT]):
         headers: dict[str, str] | None = None,
     ) -> Answering[TurnT]:
         """Answer a chat in a session held busy for it (committed to it when finished)."""
-        turn = self.engine.start_chat(session.state, list(request.chat), request.params)
+        turn = self.engine.start_chat(session.state, request.chat, request.params)
         return Answering(session, turn, request.stream, replies, headers=headers or {})
 
     def arrived(self, work: Fetching) -> Fetching | Answering[TurnT] | Reply:
@@ -82,7 +82,7 @@ class ChatDesk(Generic[StateT, TurnT]):
         assert isinstance(request, ChatCompletion) and replies is not None
         prepared, digest = work.image.result()
         key = self._key(digest, request.system_prompt)
-        chat = list(request.chat)
+        chat = request.chat
         best: tuple[int, bool, Session] | None = None
         for session in self._candidates(key):
             held, carries = self.engine.held_of_chat(session.state, chat)
@@ -118,7 +118,7 @@ class ChatDesk(Generic[StateT, TurnT]):
     ) -> Answering[TurnT] | Reply:
         """Answer in a state of its own, kept as a session afterwards if a slot is free."""
         try:
-            turn = self.engine.start_chat(state, list(request.chat), request.params)
+            turn = self.engine.start_chat(state, request.chat, request.params)
         except BaseException as exc:
             self.engine.release(state)
             return error_reply(as_kit_error(exc))

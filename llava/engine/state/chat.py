@@ -40,6 +40,7 @@ class ChatFormatter:
         self._tokenizer = processor.tokenizer
         self.image_token: str = processor.image_token
         self._mark = "MARK" + secrets.token_hex(8)  # random, so user text cannot collide
+        self._last: tuple[Any, Sequence[Message], list[int]] | None = None
         self.prefix_text(None)  # fail at load time, not on the first request
 
     def messages(
@@ -65,6 +66,18 @@ class ChatFormatter:
     def chat_messages(self, system_prompt: str | None, chat: Sequence[Message]) -> list[Message]:
         """Prepend the system prompt to a client's messages (already in the template's format)."""
         return [_message("system", system_prompt), *chat] if system_prompt else list(chat)
+
+    def chat_ids(
+        self, system_prompt: str | None, chat: Sequence[Message], image_tokens: Sequence[int]
+    ) -> list[int]:
+        """Render and tokenize a client's chat; the same chat object asked again (checked
+        against held conversations, then answered) is rendered once."""
+        key = (id(chat), system_prompt, tuple(image_tokens))
+        if self._last is not None and self._last[0] == key and self._last[1] is chat:
+            return self._last[2]
+        ids = self.tokenize(self.render(self.chat_messages(system_prompt, chat)), image_tokens)
+        self._last = (key, chat, ids)  # holds the chat, so its id cannot be reused meanwhile
+        return ids
 
     def render(self, messages: list[Message]) -> str:
         """Render messages as the model sees them, ending with the assistant's cue."""
