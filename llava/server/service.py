@@ -279,9 +279,9 @@ class SessionService(Generic[StateT, TurnT]):
                 else:
                     reply = work.chunk()
             except Exception as exc:  # finishing this request failed: fail it alone
-                self._work.pop(request_id, None)
                 error = internal_error(exc)
                 reply = work.failed(error) if isinstance(work, Answering) else error_reply(error)
+                self._discard(request_id)  # rolled back and freed: its session goes on
             if reply is not None:
                 replies[request_id] = reply
         return replies
@@ -356,8 +356,12 @@ class SessionService(Generic[StateT, TurnT]):
 
     def _abandon(self, request_id: str) -> None:
         """Roll back a request whose client went away."""
-        work = self._work.get(request_id)
         log.info("request %s left the batch (client gone); dropping its work", request_id)
+        self._discard(request_id)
+
+    def _discard(self, request_id: str) -> None:
+        """Roll a request's work back and free what it holds (its session stays usable)."""
+        work = self._work.get(request_id)
         try:
             if isinstance(work, Answering):
                 self._drop_answer(request_id, work)

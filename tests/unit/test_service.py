@@ -793,6 +793,31 @@ def test_finish_turn_raising_fails_only_that_request(
     assert bad is not None and bad.status == 500
 
 
+def test_a_reply_that_fails_to_render_rolls_its_turn_back_and_frees_the_session(
+    service: SessionService, engine: FakeEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An unexpected error while writing an answer's chunk fails that request alone, and its
+    turn is rolled back: the session answers the next question (not 409 for ever)."""
+    from llava.server import inflight
+
+    sid = open_session(service, "o1")
+    real_chunk = inflight.Answering.chunk
+
+    def broken(self: Any) -> Any:
+        if self.turn.prompt.startswith("doomed"):
+            raise RuntimeError("cannot render")
+        return real_chunk(self)
+
+    monkeypatch.setattr(inflight.Answering, "chunk", broken)
+    client = Client()
+    body = query_body("doomed to fail slowly")  # an answer of several steps
+    reply, _ = run_until_reply(service, client, "q1", body, sid_headers(sid))
+    assert reply.status == 500
+    assert ("abort_turn", "doomed to fail slowly") in engine.calls
+    again, _ = run_until_reply(service, client, "q2", query_body("fine"), sid_headers(sid))
+    assert again.status == 200, again.body
+
+
 # -- hardening -------------------------------------------------------------------------------
 
 
