@@ -212,13 +212,18 @@ def recover(
         left.discard(sid)
         try:
             state, extra = engine.resume(snapshots.read(sid))
-        except ValueError as exc:
-            log.warning("session %s cannot be restored (%s); it answers session_lost", sid, exc)
+            expires_at = float(extra.get("expires_at", 0))
+        except Exception as exc:  # whatever a damaged file raises costs its own session only
+            log.warning(
+                "session %s cannot be restored (%s: %s); it answers session_lost",
+                sid,
+                type(exc).__name__,
+                exc,
+            )
             snapshots.discard(sid)
             store.load_tombstones([sid], LOST)
             counts["corrupt"] += 1
             continue
-        expires_at = float(extra.get("expires_at", 0))
         if expires_at <= clock():
             engine.release(state)
             snapshots.discard(sid)

@@ -176,6 +176,8 @@ class Engine:
 
     def resume(self, data: bytes) -> tuple[Any, dict[str, Any]]:
         kind, _, expiry = data.decode().partition(":")
+        if kind in UNEXPECTED:  # what a damaged file can raise besides ValueError
+            raise UNEXPECTED[kind]
         if kind != "ok":
             raise ValueError("not a session snapshot")
         return _State(), {"expires_at": float(expiry), "info": {"image": "key"}}
@@ -186,6 +188,36 @@ class Engine:
 
 class _State:
     nbytes = 10
+
+
+UNEXPECTED: dict[str, BaseException] = {
+    "key": KeyError("features"),
+    "runtime": RuntimeError("shape '[576, 4096]' is invalid for input of size 12"),
+    "index": IndexError("list index out of range"),
+    "unicode": UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte"),
+}
+
+
+def test_a_snapshot_that_raises_what_nobody_expects_costs_its_own_session_only(
+    snaps: SnapshotDir,
+) -> None:
+    """A worker restarted into a directory holding damaged snapshots must start (it restarted
+    into the same files for ever), restoring every other session."""
+    now = 1_700_000_000.0
+    store = SessionStore(ttl_s=600, wall_clock=lambda: now)
+    good = new_session_id()
+    written(snaps, good, f"ok:{now + 300}".encode())
+    damaged = {kind: new_session_id() for kind in UNEXPECTED}
+    for kind, sid in damaged.items():
+        written(snaps, sid, f"{kind}:{now + 300}".encode())
+    left_open = [good, *damaged.values()]
+    counts = recover(snaps, Engine(), store, left_open, clock=lambda: now)  # type: ignore[arg-type]
+    assert counts == {"restored": 1, "expired": 0, "corrupt": len(UNEXPECTED), "lost": 0}
+    assert [s.id for s in store.snapshot()] == [good]
+    for sid in damaged.values():
+        with pytest.raises(Exception) as caught:
+            store.get(sid)
+        assert caught.value.code == "session_lost"
 
 
 def test_recovery_restores_what_was_left_open_and_nothing_else(snaps: SnapshotDir) -> None:
@@ -232,3 +264,44 @@ def test_the_snapshot_directory_is_private_even_if_it_existed(tmp_path: Path) ->
     os.chmod(tmp_path / "open", 0o777)
     SnapshotDir(tmp_path / "open", budget_bytes=100).close()
     assert stat.S_IMODE((tmp_path / "open").stat().st_mode) == 0o700
+
+
+def with_meta(data: bytes, change: Any) -> bytes:
+    """A real snapshot with its metadata edited (a valid file holding a wrong snapshot)."""
+    header_len = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + header_len])
+    meta = json.loads(header["__metadata__"]["llava"])
+    change(meta)
+    header["__metadata__"]["llava"] = json.dumps(meta)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw + data[8 + header_len :]
+
+
+def test_real_snapshots_damaged_in_each_way_cost_only_their_own_sessions(
+    tiny_checkpoint, snaps: SnapshotDir
+) -> None:
+    engine = load(tiny_checkpoint)
+    state = engine.open_session(make_image(9))
+    ask(engine, state, PROMPTS[0])
+    now = 1_700_000_000.0
+    produce = engine.snapshot(state, {"expires_at": now + 300, "info": {}})
+    assert produce is not None
+    data = produce()
+    damaged = {
+        "bad header": b"\xff" * 8 + data[8:],
+        "torn tensor": data[: len(data) - 100],
+        "wrong shapes": with_meta(data, lambda m: m.update(tokens=[m["tokens"][0] + 3])),
+        "missing field": with_meta(data, lambda m: m.pop("history")),
+        "wrong type": with_meta(data, lambda m: m.update(history=[[1]])),
+    }
+    good = new_session_id()
+    written(snaps, good, data)
+    ids = {name: new_session_id() for name in damaged}
+    for name, payload in damaged.items():
+        written(snaps, ids[name], payload)
+    store = SessionStore(ttl_s=600, wall_clock=lambda: now)
+    counts = recover(snaps, engine, store, [good, *ids.values()], clock=lambda: now)
+    assert counts == {"restored": 1, "expired": 0, "corrupt": len(damaged), "lost": 0}
+    restored = store.get(good)
+    assert ask(engine, restored.state, PROMPTS[1])  # the good one answers
