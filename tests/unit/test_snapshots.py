@@ -6,6 +6,7 @@ exactly as the model's own pipeline answers the whole conversation.
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from pathlib import Path
