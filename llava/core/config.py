@@ -78,6 +78,7 @@ class ServerConfig:
     # Images
     image_allow_http: bool = False
     image_allow_hosts: tuple[str, ...] = ()
+    image_s3_allow: tuple[str, ...] = ()  # "bucket" or "bucket/prefix/": none = s3:// off
     image_max_bytes: int = 20 * 1024 * 1024
     image_max_pixels: int = 40_000_000
     image_timeout_s: float = 20.0

@@ -26,7 +26,9 @@ class ImagePolicy:
     max_bytes: int = 20 * 1024 * 1024
     max_pixels: int = 40_000_000
     max_redirects: int = 3
-    allow_s3: bool = True
+    # s3:// references the endpoint's role may read: "bucket" or "bucket/prefix/" entries.
+    # Empty (the default): none, so a caller cannot make the endpoint read what its role can.
+    s3_allow: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.allow_hosts, str):
@@ -38,6 +40,13 @@ class ImagePolicy:
         # Accept any iterable (e.g. a list from YAML) but store a tuple so policies hash.
         object.__setattr__(self, "allow_hosts", tuple(self.allow_hosts))
         _allow_list(self.allow_hosts)
+        if isinstance(self.s3_allow, str):
+            raise InvalidRequest(
+                f"ImagePolicy.s3_allow must be a tuple of buckets or bucket/prefix entries, not "
+                f"one string; write ({self.s3_allow!r},)",
+                field="s3_allow",
+            )
+        object.__setattr__(self, "s3_allow", tuple(e.strip() for e in self.s3_allow if e.strip()))
         for name in ("connect_timeout_s", "read_timeout_s", "total_timeout_s"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
@@ -46,6 +55,18 @@ class ImagePolicy:
             value = getattr(self, name)
             if not isinstance(value, int) or value < low:
                 raise InvalidRequest(f"ImagePolicy.{name} must be an integer >= {low}")
+
+    @property
+    def allow_s3(self) -> bool:
+        """Whether any s3:// reference may be read."""
+        return bool(self.s3_allow)
+
+    def s3_allowed(self, bucket: str, key: str) -> bool:
+        """Tell whether s3://bucket/key lies under an allowed bucket or prefix."""
+        path = f"{bucket}/{key}"
+        return any(
+            path.startswith(entry if "/" in entry else entry + "/") for entry in self.s3_allow
+        )
 
     @property
     def allowed_schemes(self) -> frozenset[str]:

@@ -61,22 +61,28 @@ class S3Fetch:
     def _fetch_s3(self, text: str) -> bytes:
         """Download an s3://bucket/key object within the byte limit."""
         where = describe_ref(text)
-        if not self.policy.allow_s3:
-            raise ImageForbidden(f"s3:// image references are disabled here; {INLINE_HINT}")
         bucket, _, key = text[5:].partition("/")
         if not _BUCKET.fullmatch(bucket) or not key:
             raise InvalidRequest(
                 f"malformed S3 reference {where}; write it as s3://bucket/path/to/image.png"
             )
+        if not self.policy.allow_s3:
+            raise ImageForbidden(
+                "s3:// image references are off on this endpoint (set image_s3_allow to the "
+                f"buckets it may read); {INLINE_HINT}"
+            )
+        if not self.policy.s3_allowed(bucket, key):
+            raise ImageForbidden(f"{where} is not under the buckets this endpoint may read")
         deadline = time.monotonic() + self.policy.total_timeout_s
         try:
             body = self._s3().get_object(Bucket=bucket, Key=key)
         except KitError:
             raise
-        except Exception as exc:  # noqa: BLE001 - boto3 raises its own tree; report its code
+        except Exception:  # noqa: BLE001 - boto3 raises its own tree
+            # One answer whatever S3 said: telling NoSuchKey from AccessDenied would let a
+            # caller learn which objects exist where the endpoint's role reaches.
             raise ImageFetchError(
-                f"could not read {where}: {_s3_error_code(exc)}; check the bucket, key and "
-                "that the endpoint's role may read it",
+                f"could not read {where}: it does not exist or this endpoint may not read it",
             ) from None
         stream = body.get("Body") if isinstance(body, dict) else None
         if stream is None:

@@ -19,6 +19,7 @@ import time
 import warnings
 import zlib
 from collections.abc import Iterator
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -364,7 +365,8 @@ def test_policy_validation() -> None:
     assert ImagePolicy(allow_hosts=["a.test"]).allow_hosts == ("a.test",)  # type: ignore[arg-type]
     assert "http" not in ImagePolicy().allowed_schemes
     assert "http" in ImagePolicy(allow_http=True).allowed_schemes
-    assert "s3" not in ImagePolicy(allow_s3=False).allowed_schemes
+    assert "s3" not in ImagePolicy().allowed_schemes
+    assert "s3" in ImagePolicy(s3_allow=("b",)).allowed_schemes
 
 
 @pytest.mark.parametrize(
@@ -811,6 +813,8 @@ class FakeS3:
         self.calls.append((Bucket, Key))
         if Key.startswith("missing"):
             raise FakeClientError("NoSuchKey")
+        if Key.startswith("secret"):
+            raise FakeClientError("AccessDenied")
         self.bodies.append(FakeBody(self.data))
         response: dict[str, Any] = {"Body": self.body}
         if self.length is not None:
@@ -825,6 +829,7 @@ def s3_loader(client: FakeS3, **policy: Any) -> tuple[ImageLoader, list[int]]:
         made.append(1)
         return client
 
+    policy.setdefault("s3_allow", ("my-bucket",))
     return ImageLoader(ImagePolicy(**policy), s3_client_factory=factory), made
 
 
@@ -857,18 +862,48 @@ def test_s3_declared_length_over_limit() -> None:
 
 def test_s3_errors() -> None:
     loader, _ = s3_loader(FakeS3())
-    with pytest.raises(ImageFetchError, match="NoSuchKey"):
-        loader.load("s3://my-bucket/missing.png")
+    errors = []
+    for ref in ("s3://my-bucket/missing.png", "s3://my-bucket/secret.png"):
+        with pytest.raises(ImageFetchError) as info:
+            loader.load(ref)
+        errors.append(info.value.to_body())
+    # NoSuchKey and AccessDenied answer alike: a caller cannot learn which objects exist
+    assert errors[0] == errors[1]
+    assert "does not exist or this endpoint may not read it" in errors[0]["error"]["message"]
     for ref in ("s3://my-bucket", "s3://my-bucket/", "s3:///key.png", "s3://Bad_Bucket/k.png"):
         with pytest.raises(InvalidRequest):
             loader.load(ref)
 
 
-def test_s3_can_be_disabled() -> None:
-    loader, made = s3_loader(FakeS3(), allow_s3=False)
-    with pytest.raises(ImageForbidden):
+def test_s3_is_off_unless_buckets_are_allowed() -> None:
+    loader, made = s3_loader(FakeS3(), s3_allow=())
+    with pytest.raises(ImageForbidden, match="image_s3_allow"):
         loader.load("s3://my-bucket/red.png")
-    assert made == []
+    assert made == []  # not even a client was built
+    assert "s3" not in ImagePolicy().allowed_schemes
+
+
+@pytest.mark.parametrize(
+    ("allowed", "ref", "read"),
+    [
+        (("my-bucket",), "s3://my-bucket/any/key.png", True),
+        (("my-bucket/images/",), "s3://my-bucket/images/red.png", True),
+        (("my-bucket/images/",), "s3://my-bucket/models/weights.png", False),
+        (("my-bucket",), "s3://my-bucket-2/red.png", False),
+        (("my-bucket/images",), "s3://my-bucket/images-private/red.png", True),  # a prefix
+    ],
+)
+def test_s3_reads_only_under_the_allowed_buckets_and_prefixes(
+    allowed: tuple[str, ...], ref: str, read: bool
+) -> None:
+    client = FakeS3()
+    loader, _ = s3_loader(client, s3_allow=allowed)
+    if read:
+        assert loader.load(ref).size == (4, 3)
+    else:
+        with pytest.raises(ImageForbidden, match="not under the buckets"):
+            loader.load(ref)
+        assert client.calls == []  # refused before S3 is asked
 
 
 def test_s3_with_real_boto3_client(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -889,11 +924,12 @@ def test_s3_with_real_boto3_client(monkeypatch: pytest.MonkeyPatch) -> None:
         s3.create_bucket(Bucket="kit-images")
         s3.put_object(Bucket="kit-images", Key="red.png", Body=RED_PNG)
         s3.put_object(Bucket="kit-images", Key="big.bin", Body=b"\0" * 5000)
-        assert ImageLoader().load("s3://kit-images/red.png").size == (4, 3)
+        allowed = ImagePolicy(s3_allow=("kit-images",))
+        assert ImageLoader(allowed).load("s3://kit-images/red.png").size == (4, 3)
         with pytest.raises(ImageTooLarge):
-            ImageLoader(ImagePolicy(max_bytes=1000)).load("s3://kit-images/big.bin")
-        with pytest.raises(ImageFetchError, match="NoSuchKey"):
-            ImageLoader().load("s3://kit-images/missing.png")
+            ImageLoader(replace(allowed, max_bytes=1000)).load("s3://kit-images/big.bin")
+        with pytest.raises(ImageFetchError, match="does not exist or this endpoint may not"):
+            ImageLoader(allowed).load("s3://kit-images/missing.png")
 
 
 # --- describe_ref -------------------------------------------------------------------------

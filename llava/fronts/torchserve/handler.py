@@ -168,6 +168,7 @@ class SessionHandler:
             ImagePolicy(
                 allow_http=config.image_allow_http,
                 allow_hosts=config.image_allow_hosts,
+                s3_allow=config.image_s3_allow,
                 total_timeout_s=config.image_timeout_s,
                 max_bytes=config.image_max_bytes,
                 max_pixels=config.image_max_pixels,
