@@ -291,3 +291,39 @@ def test_out_of_memory_frees_idle_sessions_and_retries_once(engine, reference) -
         assert body["text"] == reference.answers(make_image(30), PROMPTS[:2], 8)[1]
     finally:
         service.close()
+
+
+@pytest.mark.parametrize("which", ["first", "last"])
+def test_a_tier_move_that_fails_midway_leaves_the_whole_cache_where_it_was(
+    engine: LlavaEngine, reference: Reference, monkeypatch: pytest.MonkeyPatch, which: str
+) -> None:
+    """Offloading copies layer after layer: a copy failing at any layer (out of memory) must
+    not leave the session split across devices, or marked as moved; its next answer is the
+    pipeline's."""
+    from llava.engine.model import cache as cache_module
+
+    image = make_image(77)
+    state = engine.open_session(image)
+    first = engine.run_to_end(engine.start_turn(state, "What is this?", GREEDY)).text
+    before = [t.clone() for t in cache_module.cache_tensors(state.cache)]
+    fail_at = 1 if which == "first" else len(before)  # a key or value buffer of each layer
+    real_copy, calls = cache_module._copy, []
+
+    def failing_copy(tensor: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:
+        calls.append(1)
+        if len(calls) == fail_at:
+            raise torch.OutOfMemoryError("injected: no room for this layer")
+        return real_copy(tensor, device, pin)
+
+    monkeypatch.setattr(cache_module, "_copy", failing_copy)
+    with pytest.raises(torch.OutOfMemoryError):
+        cache_module.move_cache(state.cache, torch.device("meta"))
+    monkeypatch.setattr(cache_module, "_copy", real_copy)
+    after = cache_module.cache_tensors(state.cache)
+    assert len(calls) == fail_at and len(after) == len(before)
+    assert all(
+        a.device == b.device and torch.equal(a, b) for a, b in zip(after, before, strict=True)
+    )
+    assert state.tier is Tier.DEVICE
+    follow = engine.run_to_end(engine.start_turn(state, "And the colors?", GREEDY)).text
+    assert [first, follow] == reference.answers(image, ["What is this?", "And the colors?"], 8)

@@ -8,6 +8,8 @@ grow by a chunk, not by half, so an idle session holds little unused memory.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
@@ -86,15 +88,21 @@ class PreallocatedLayer(DynamicLayer):
         self._length = length
         self._expose()
 
-    def move(self, device: torch.device, *, pin: bool = False) -> None:
-        """Move the buffers (with their spare room) to `device`."""
-        if self._keys is None or self._values is None:
-            return
-        self._keys, self._values = (
-            _pinned(t.to(device)) if pin else t.to(device) for t in (self._keys, self._values)
-        )
+    def copied_to(self, device: torch.device, *, pin: bool = False) -> dict[str, torch.Tensor]:
+        """Copy the buffers (with their spare room) to `device`; nothing changes yet."""
+        return {
+            n: _copy(t, device, pin)
+            for n, t in (("_keys", self._keys), ("_values", self._values))
+            if t is not None
+        }
+
+    def adopt(self, tensors: dict[str, torch.Tensor], device: torch.device) -> None:
+        """Switch to buffers `copied_to` made (cannot fail)."""
+        for name, tensor in tensors.items():
+            setattr(self, name, tensor)
         self.device = device
-        self._expose()
+        if self._keys is not None and self._values is not None:
+            self._expose()
 
     def buffers(self) -> list[torch.Tensor]:
         """Return the allocated tensors (what the layer really holds in memory)."""
@@ -136,17 +144,30 @@ def crop_to(cache: DynamicCache, length: int) -> None:
 
 
 def move_cache(cache: DynamicCache, device: torch.device, *, pin: bool = False) -> None:
-    """Move every layer of a cache to `device` (pinned host memory when `pin`)."""
+    """Move every layer of a cache to `device` (pinned host memory when `pin`), all or nothing:
+    every layer is copied before any is switched, so a copy that fails (out of memory) leaves
+    the whole cache where it was, never split across devices."""
+    copies: list[tuple[Any, dict[str, torch.Tensor]]] = []
     for layer in cache.layers:
         if isinstance(layer, PreallocatedLayer):
-            layer.move(device, pin=pin)
+            copies.append((layer, layer.copied_to(device, pin=pin)))
+        else:
+            held = {n: getattr(layer, n, None) for n in ("keys", "values")}
+            copies.append(
+                (layer, {n: _copy(t, device, pin) for n, t in held.items() if t is not None})
+            )
+    for layer, moved in copies:
+        if isinstance(layer, PreallocatedLayer):
+            layer.adopt(moved, device)
             continue
-        for name in ("keys", "values"):
-            tensor = getattr(layer, name, None)
-            if tensor is not None:
-                moved = tensor.to(device)
-                setattr(layer, name, _pinned(moved) if pin else moved)
+        for name, tensor in moved.items():
+            setattr(layer, name, tensor)
         layer.device = device
+
+
+def _copy(tensor: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:
+    moved = tensor.to(device)
+    return _pinned(moved) if pin else moved
 
 
 def cache_tensors(cache: DynamicCache | None) -> list[torch.Tensor]:
