@@ -122,7 +122,8 @@ def _packed(
     rows = logits[len(mine) :]
     if batch is not None:
         batch.advance()
-        runner.decoder.accept_rows(decoding, rows)
+        failed = runner.decoder.accept_rows(decoding, rows)
+        errors.update({decodes[row]: exc for row, exc in failed.items()})
     elif decoding:
         turn = decoding[0]
         try:

@@ -327,3 +327,43 @@ def test_a_tier_move_that_fails_midway_leaves_the_whole_cache_where_it_was(
     assert state.tier is Tier.DEVICE
     follow = engine.run_to_end(engine.start_turn(state, "And the colors?", GREEDY)).text
     assert [first, follow] == reference.answers(image, ["What is this?", "And the colors?"], 8)
+
+
+def test_a_row_whose_sampling_fails_fails_its_own_answer_only(
+    engine: LlavaEngine, reference: Reference, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Answers decoding together share one forward; a row whose choice fails (a NaN row)
+    fails its own answer, the others go on to the pipeline's answers, and the failed session
+    stands at its previous turn."""
+    from llava.engine.decoding import decoder as decoder_module
+
+    images = [make_image(80 + i) for i in range(3)]
+    states = [engine.open_session(image) for image in images]
+    doomed = GenerationParams(max_new_tokens=8, seed=99)  # greedy: the seed only marks it
+    real, picks = decoder_module.next_token, []
+
+    def nan_row(logits: torch.Tensor, params: GenerationParams, generator: Any) -> int:
+        if params is doomed:
+            picks.append(1)
+            if len(picks) == 3:
+                raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+        return real(logits, params, generator)
+
+    monkeypatch.setattr(decoder_module, "next_token", nan_row)
+    turns = [
+        engine.start_turn(s, "What is this?", doomed if i == 1 else GREEDY)
+        for i, s in enumerate(states)
+    ]
+    failures: dict[int, BaseException] = {}
+    while any(not t.done for i, t in enumerate(turns) if i not in failures):
+        live = [i for i, t in enumerate(turns) if not t.done and i not in failures]
+        errors = engine.step([turns[i] for i in live])
+        failures.update({live[k]: exc for k, exc in errors.items()})
+    assert list(failures) == [1] and "nan" in str(failures[1])
+    engine.abort_turn(turns[1])
+    monkeypatch.setattr(decoder_module, "next_token", real)
+    for i in (0, 2):
+        engine.finish_turn(turns[i])
+        assert turns[i].text == reference.answers(images[i], ["What is this?"], 8)[0]
+    again = engine.run_to_end(engine.start_turn(states[1], "What is this?", GREEDY)).text
+    assert again == reference.answers(images[1], ["What is this?"], 8)[0]

@@ -48,8 +48,8 @@ class Decoder:
         except Exception:  # the shared forward failed: retry alone, so only the culprit fails
             self.split(replica_idx)
             return self._decode_alone(group)
-        self.accept_rows(turns, logits)
-        return {}
+        failed = self.accept_rows(turns, logits)
+        return {group[row][0]: exc for row, exc in failed.items()}
 
     def batch_for(self, replica_idx: int, turns: list[Turn]) -> DecodeBatch:
         """Return the replica's stacked batch of exactly `turns`, restacked if its members
@@ -61,11 +61,19 @@ class Decoder:
         batch = self._batches[replica_idx] = DecodeBatch(turns)
         return batch
 
-    def accept_rows(self, turns: list[Turn], logits: torch.Tensor) -> None:
-        """Record the token each turn fed and the next one, sampled from its row of `logits`."""
+    def accept_rows(self, turns: list[Turn], logits: torch.Tensor) -> dict[int, Exception]:
+        """Record the token each turn fed and the next one, sampled from its row of `logits`;
+        return the rows whose choice failed (a NaN row), each failing its own answer alone."""
+        failed: dict[int, Exception] = {}
         for row, turn in enumerate(turns):
+            try:
+                token = next_token(logits[row], turn.params, turn.generator)
+            except Exception as exc:  # its answer is aborted: its cache is cut back then
+                failed[row] = exc
+                continue
             turn.fed = turn.fed + turn.pending
-            self.accept(turn, next_token(logits[row], turn.params, turn.generator))
+            self.accept(turn, token)
+        return failed
 
     def _decode_alone(self, group: list[tuple[int, Turn]]) -> dict[int, Exception]:
         errors: dict[int, Exception] = {}
