@@ -195,13 +195,60 @@ def test_a_stacked_decode_batch_is_one_piece(engine) -> None:
 def test_the_start_up_check_stops_packing_where_the_attention_is_not_routed(
     tiny_checkpoint: Any, caplog: Any
 ) -> None:
-    # As on a transformers that kept the stock attention: the packing kwarg is then ignored,
-    # and each piece would attend to the whole row's new keys only.
+    # As on a transformers whose registered attention is not the packing one: the packing
+    # kwarg is then ignored, and each piece would attend to the whole row's new keys only.
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
     from llava.engine.selfcheck import self_check
 
     engine = LlavaEngine.load(tiny_checkpoint, ServerConfig(device="cpu", image_processes=0))
     assert engine.runner.packs
-    engine.runner.replicas[0].model.set_attn_implementation({"text_config": "sdpa"})
-    self_check(engine.runner)
+    wrapped = AttentionInterface._global_mapping["sdpa"]
+    AttentionInterface.register("sdpa", sdpa_attention_forward)
+    try:
+        self_check(engine.runner)
+    finally:
+        AttentionInterface.register("sdpa", wrapped)
     assert not engine.runner.packs
     assert "each prefill chunk runs a forward of its own" in caplog.text
+
+
+def test_flash_attention_keeps_its_name_and_dispatch_when_packing(tiny_checkpoint: Any) -> None:
+    """transformers picks its flash-attention library and mask by the implementation's name:
+    packing wraps the function registered under `flash_attention_2` in place, so that name
+    stays, the stand-in registered under it runs every unpacked forward, and packed forwards
+    still equal each piece's own (a stand-in: flash-attn needs a GPU)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    from llava.engine.model.packed import enable_packing
+
+    calls = []
+
+    def stand_in(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return sdpa_attention_forward(*args, **kwargs)
+
+    saved = (
+        AttentionInterface._global_mapping["flash_attention_2"],
+        ALL_MASK_ATTENTION_FUNCTIONS._global_mapping["flash_attention_2"],
+    )
+    AttentionInterface.register("flash_attention_2", stand_in)
+    ALL_MASK_ATTENTION_FUNCTIONS.register("flash_attention_2", ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    try:
+        engine = LlavaEngine.load(tiny_checkpoint, ServerConfig(device="cpu", image_processes=0))
+        model = engine.runner.replicas[0].model
+        model.config.get_text_config()._attn_implementation = "flash_attention_2"
+        assert enable_packing(model)
+        assert model.config.get_text_config()._attn_implementation == "flash_attention_2"
+        calls.clear()
+        with torch.inference_mode():
+            alone, _, packed, _ = both_ways(engine)
+        assert calls  # the unpacked forwards ran through the function under the name
+        for row in range(2):
+            torch.testing.assert_close(packed[row], alone[row], rtol=1e-4, atol=1e-4)
+    finally:
+        AttentionInterface.register("flash_attention_2", saved[0])
+        ALL_MASK_ATTENTION_FUNCTIONS.register("flash_attention_2", saved[1])

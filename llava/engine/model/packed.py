@@ -15,7 +15,6 @@ All or nothing, as `forward.py`: a failure in any layer cuts every piece's cache
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,9 +28,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from llava.engine.model.cache import crop_to
 from llava.engine.model.vision import embed
 
-log = logging.getLogger(__name__)
 
-PREFIX = "llava_packed_"  # + the attention the model was loaded with: what unpacked calls use
+PACKING = "llava_packs"  # marks an attention function wrapped by `enable_packing`
 _NO_MASK = torch.zeros(1, 1, 1, 1, dtype=torch.bool)  # a 4-D mask: transformers builds none
 
 
@@ -51,41 +49,34 @@ class Piece:
 def enable_packing(model: Any) -> bool:
     """Route the language model's attention through the packing attention, if it runs on an
     attention function transformers registers (sdpa, flash attention; not the per-model eager
-    one, which unpacked forwards would then lose)."""
-    text = model.config.get_text_config()
-    base = text._attn_implementation
-    if base.startswith(PREFIX):
-        return True
+    one, which unpacked forwards would then lose).
+
+    The packing attention replaces the registered function under its own name, delegating to
+    it for every forward that is not packed: transformers decides things by that name (which
+    flash-attention library, which mask), so `flash_attention_2` stays `flash_attention_2`.
+    """
+    base = model.config.get_text_config()._attn_implementation
     if base not in ALL_ATTENTION_FUNCTIONS or base not in ALL_MASK_ATTENTION_FUNCTIONS:
         return False
-    name = PREFIX + base
-    if name not in ALL_ATTENTION_FUNCTIONS:
-        unpacked = ALL_ATTENTION_FUNCTIONS[base]
+    unpacked = ALL_ATTENTION_FUNCTIONS[base]
+    if getattr(unpacked, PACKING, False):
+        return True
 
-        def attention(
-            module: Any,
-            query: torch.Tensor,
-            key: torch.Tensor,
-            value: torch.Tensor,
-            attention_mask: Any,
-            packing: list[tuple[Piece, torch.Tensor | None]] | None = None,
-            **kwargs: Any,
-        ) -> tuple[torch.Tensor, Any]:
-            if packing is None:  # every other forward: the attention the model was loaded with
-                return unpacked(module, query, key, value, attention_mask, **kwargs)
-            return _attend(
-                module, query, packing, kwargs.get("scaling"), kwargs.get("sliding_window")
-            )
+    def attention(
+        module: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Any,
+        packing: list[tuple[Piece, torch.Tensor | None]] | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, Any]:
+        if packing is None:  # every other forward: the attention the model was loaded with
+            return unpacked(module, query, key, value, attention_mask, **kwargs)
+        return _attend(module, query, packing, kwargs.get("scaling"), kwargs.get("sliding_window"))
 
-        AttentionInterface.register(name, attention)
-        ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
-    try:
-        model.set_attn_implementation({"text_config": name})
-    except Exception:  # a transformers that cannot switch one sub-model's attention
-        log.warning(
-            "not packing steps: each prefill chunk runs a forward of its own", exc_info=True
-        )
-        return False
+    setattr(attention, PACKING, True)
+    AttentionInterface.register(base, attention)
     return True
 
 
