@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -224,3 +225,12 @@ def test_torch_threads_leave_a_cpu_for_the_frontend(
     from llava.engine.model.loading import torch_threads
 
     assert torch_threads(configured, usable, torch_default) == expected
+
+
+def test_torchserve_keeps_every_session_answering_and_room_for_opens() -> None:
+    """TorchServe's batchSize caps the requests in flight: below max_sessions it would cap
+    the sessions answering at once, and an open waiting on its image holds a place too."""
+    handler_dir = Path(__file__).resolve().parents[2] / "handler"
+    archive = yaml.safe_load((handler_dir / "model-config.yaml").read_text())
+    config = ServerConfig.from_mapping(archive["handler"], {})
+    assert archive["batchSize"] >= config.max_sessions + 32

@@ -134,6 +134,15 @@ class SessionHandler:
         # once, by the kit, on the request's first step. (Read per message by TorchServe's
         # worker, so setting it here takes effect from the first request.)
         os.environ["TS_DECODE_INPUT_REQUEST"] = "false"
+        in_flight = int(context.system_properties.get("batch_size") or 0)
+        if 0 < in_flight < config.max_sessions:
+            log.warning(
+                "batchSize %d is below max_sessions %d: at most %d requests are in flight, and "
+                "opens waiting on images hold places; raise batchSize in model-config.yaml",
+                in_flight,
+                config.max_sessions,
+                in_flight,
+            )
         set_torch_threads(config)
         llava_engine = LlavaEngine.load(model_dir, config)
         engine: Engine[SessionState, Turn] = llava_engine  # mypy checks the contract here
