@@ -27,6 +27,7 @@ _ZERO_ALLOWED = {
     "snapshot_budget_mb",
     "torch_threads",
     "image_processes",
+    "whole_answer_s",
 }
 CACHE_MODES = ("kv", "pixels")
 ENV_PREFIX = "LLAVA_"
@@ -73,6 +74,9 @@ class ServerConfig:
     max_prompt_chars: int = 16_000
     max_prompt_tokens: int = 2048
     max_new_tokens: int = 1024
+    # A whole (not streamed) answer still generating after this many seconds ends with what it
+    # has (finish reason "length"): SageMaker drops a response that takes over 60 s. 0 = never.
+    whole_answer_s: float = 55.0
     default_max_new_tokens: int = 256
     max_context_tokens: int = 0  # 0 = the model's max_position_embeddings
     # Images

@@ -291,6 +291,10 @@ class LlavaEngine:
         if not turn.opening and turn.records_exchange:  # an open or a client's chat adds none
             state.history = [*turn.past, Exchange(turn.prompt, turn.text, turn.added_images)]
 
+    def cut_short(self, turn: Turn) -> None:
+        """End an answer now with what it has generated (finish reason "length")."""
+        self.runner.decoder.cut_short(turn)
+
     @torch.inference_mode()
     def rollback(self, state: SessionState) -> int:
         """Undo the last question and answer; return the questions left (see tiers.rollback)."""

@@ -126,6 +126,10 @@ class Engine(Protocol[StateT, TurnT]):
         """Advance every unfinished turn once; return each failure by position."""
         ...
 
+    def cut_short(self, turn: TurnT) -> None:
+        """End an answer now with what it has generated, as if it reached its length limit."""
+        ...
+
     def finish_turn(self, turn: TurnT) -> None:
         """Commit a finished answer to its session."""
         ...

@@ -3,6 +3,7 @@ session (its image encoded and prefilled over several steps), or answering."""
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Generic
@@ -50,6 +51,7 @@ class Answering(Generic[TurnT]):
     adopt: Slot | None = None  # ... a header-less chat's, kept as a session in this slot
     key: str | None = None  # ... under this conversation key (`chats.py`)
     kept: bool = False  # ... which it was: the state lives on in the store
+    admitted: float = field(default_factory=time.monotonic)
     sent_tokens: int = 0  # tokens whose line has gone out
     headers: dict[str, str] = field(default_factory=dict)  # sent with the first reply
 

@@ -79,9 +79,11 @@ class SessionService(Generic[StateT, TurnT]):
         image_processes: int = 0,
         snapshots: SnapshotDir | None = None,
         model_name: str = "llava",
+        whole_answer_s: float | None = None,
     ) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.whole_answer_s = whole_answer_s  # a whole answer ends in time (SageMaker's 60 s)
         self.started = int(time.time())
         self.store = store
         self.images = images
@@ -265,6 +267,7 @@ class SessionService(Generic[StateT, TurnT]):
         running = [(r, w) for r, w in self._work.items() if not isinstance(w, Fetching)]
         if not running:
             return {}
+        self._end_overdue(running)
         errors = step_with_retry(self.engine, self.store, [w.turn for _, w in running])
         replies: dict[str, Reply] = {}
         for i, (request_id, work) in enumerate(running):
@@ -285,6 +288,17 @@ class SessionService(Generic[StateT, TurnT]):
             if reply is not None:
                 replies[request_id] = reply
         return replies
+
+    def _end_overdue(self, running: list[tuple[str, Any]]) -> None:
+        """End whole (not streamed) answers that would outlast their caller's time limit with
+        the text they have: SageMaker drops a response that takes over 60 s."""
+        if self.whole_answer_s is None:
+            return
+        now = time.monotonic()
+        for _, work in running:
+            overdue = isinstance(work, Answering) and now - work.admitted > self.whole_answer_s
+            if overdue and not work.stream and work.turn.generated:
+                self.engine.cut_short(work.turn)
 
     def _advance_open(
         self, request_id: str, work: Opening[StateT, TurnT], error: BaseException | None

@@ -194,6 +194,9 @@ class FakeEngine:
             raise self.finish_raises[turn.prompt]
         turn.state.history.append((turn.prompt, turn.text))
 
+    def cut_short(self, turn: FakeTurn) -> None:
+        turn.done, turn.finish_reason = True, "length"
+
     def abort_turn(self, turn: FakeTurn) -> None:
         name = "abort_open" if turn.prompt == "<open>" else "abort_turn"
         self.calls.append((name, turn.prompt))
@@ -872,3 +875,31 @@ def test_a_failing_memory_policy_fails_neither_the_open_nor_the_answer(
         assert reply.status == 200 and body_of(reply)["text"] == "a b"
     finally:
         service.close()
+
+
+def test_a_whole_answer_ends_in_time_with_what_it_has(engine: FakeEngine) -> None:
+    """SageMaker drops a response that takes over 60 s: a whole answer still generating at
+    `whole_answer_s` ends with its text so far (finish reason "length"), and its session goes
+    on; a streamed one is not cut."""
+    store = SessionStore(ttl_s=60, max_sessions=4)
+    service = SessionService(engine, store, FakeImages(), whole_answer_s=0.0)
+    sid = open_session(service, "o1")
+    client = Client()
+    long_question = "one two three four five six"
+    reply, steps = run_until_reply(
+        service, client, "q1", query_body(long_question), sid_headers(sid)
+    )
+    body = body_of(reply)
+    assert reply.status == 200 and body["usage"]["finish_reason"] == "length"
+    assert 0 < body["usage"]["generated_tokens"] < len(long_question.split())
+    lines = []
+    for _ in range(50):  # a stream is not cut: it runs to its end
+        [chunk] = service.step(
+            [client.item("q2", query_body(long_question, stream=True), sid_headers(sid))]
+        )
+        if chunk is not None:
+            lines += lines_of(chunk)
+            if chunk.last is not False:
+                break
+    assert lines[-1]["finish_reason"] != "length"
+    assert lines[-1]["usage"]["generated_tokens"] == len(long_question.split())

@@ -128,6 +128,11 @@ class Decoder:
         turn.text = shown
         return stopped
 
+    def cut_short(self, turn: Turn) -> None:
+        """End an answer now, with the text it has, as if it reached its length limit."""
+        if not turn.done:
+            self._finish(turn, "length")
+
     def _finish(self, turn: Turn, reason: str) -> None:
         turn.detokenizer.flush()
         if self._show(turn, final=True):  # the text held back at the end completed a stop

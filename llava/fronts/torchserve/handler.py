@@ -192,6 +192,7 @@ class SessionHandler:
             image_processes=config.image_processes,
             snapshots=snapshots,
             model_name=str(getattr(context, "model_name", None) or "llava"),
+            whole_answer_s=config.whole_answer_s or None,
         )
         self.service.start_image_processes()
         freeze_startup_objects()
