@@ -367,3 +367,37 @@ def test_a_row_whose_sampling_fails_fails_its_own_answer_only(
         assert turns[i].text == reference.answers(images[i], ["What is this?"], 8)[0]
     again = engine.run_to_end(engine.start_turn(states[1], "What is this?", GREEDY)).text
     assert again == reference.answers(images[1], ["What is this?"], 8)[0]
+
+
+@pytest.mark.parametrize("fail_at_row", [0, 2])
+def test_unstacking_that_fails_at_any_row_leaves_the_batch_whole(
+    engine: LlavaEngine, reference: Reference, monkeypatch: pytest.MonkeyPatch, fail_at_row: int
+) -> None:
+    """Out-of-memory recovery unstacks the decode batch; a copy failing at any row must not
+    leave later rows without the tokens decoded while stacked. The batch stays whole, and every
+    answer goes on to the pipeline's."""
+    from llava.engine.decoding import batch as batch_module
+
+    images = [make_image(90 + i) for i in range(3)]
+    states = [engine.open_session(image) for image in images]
+    turns = [engine.start_turn(s, "What is this?", GREEDY) for s in states]
+    while not engine.runner.decoder.stacked or min(len(t.generated) for t in turns) < 3:
+        assert not engine.step([t for t in turns if not t.done])
+    real_row, rows_copied = batch_module._row, []
+
+    def failing_row(tensor: torch.Tensor, row: int, start: int, stop: int) -> torch.Tensor:
+        rows_copied.append(row)
+        if row == fail_at_row:
+            raise torch.OutOfMemoryError("injected: no room to copy this row")
+        return real_row(tensor, row, start, stop)
+
+    monkeypatch.setattr(batch_module, "_row", failing_row)
+    with pytest.raises(torch.OutOfMemoryError):
+        engine.free_memory()
+    monkeypatch.setattr(batch_module, "_row", real_row)
+    assert engine.runner.decoder.stacked  # still whole, still decoding together
+    while any(not t.done for t in turns):
+        assert not engine.step([t for t in turns if not t.done])
+    for turn, image in zip(turns, images, strict=True):
+        engine.finish_turn(turn)
+        assert turn.text == reference.answers(image, ["What is this?"], 8)[0]

@@ -86,16 +86,28 @@ class DecodeBatch:
     def unstack(self) -> None:
         """Give every turn its own cache back, without padding and with the steps taken here.
 
-        Safe after a failed forward too: each row is cut to the length of the completed steps,
-        whatever a half-finished forward appended to some layers.
+        All or nothing: every row of every layer is copied out before any turn's cache is
+        switched, so a copy that fails (out of memory) leaves the batch whole and every turn as
+        it was. Safe after a failed forward too: each row is cut to the length of the completed
+        steps, whatever a half-finished forward appended to some layers.
         """
+        copies = []
         for row, turn in enumerate(self.turns):
             start = self._pad[row]
             stop = start + self._lengths[row] + self._steps
             for batched, own in zip(self.cache.layers, turn.cache.layers, strict=True):
-                assign(
-                    own,
-                    batched.keys[row : row + 1, :, start:stop].clone(),
-                    batched.values[row : row + 1, :, start:stop].clone(),
+                copies.append(
+                    (
+                        own,
+                        _row(batched.keys, row, start, stop),
+                        _row(batched.values, row, start, stop),
+                    )
                 )
+        for own, keys, values in copies:
+            assign(own, keys, values)
         self.turns = []
+
+
+def _row(tensor: torch.Tensor, row: int, start: int, stop: int) -> torch.Tensor:
+    """Copy one row's positions out of a stacked cache tensor."""
+    return tensor[row : row + 1, :, start:stop].clone()

@@ -142,9 +142,10 @@ class Decoder:
 
     def split(self, replica_idx: int) -> None:
         """Give the answers of a replica's stacked batch their own caches back."""
-        batch = self._batches.pop(replica_idx, None)
+        batch = self._batches.get(replica_idx)
         if batch is not None:
-            batch.unstack()
+            batch.unstack()  # all or nothing: if it fails the batch stays, whole
+            del self._batches[replica_idx]
 
     def split_all(self) -> None:
         for replica_idx in list(self._batches):
