@@ -49,6 +49,7 @@ RUN if [ -n "${MODEL_DIR}" ] && [ ! -f /opt/ml/model/MAR-INF/MANIFEST.json ]; th
 # run honour it too - the toolkit's start-up install of /opt/ml/model/code/requirements.txt and
 # images built FROM this one.
 COPY docker/base_constraints.py /opt/llava-sessions/base_constraints.py
+COPY docker/image.lock /opt/llava-sessions/image.lock
 # README.md is pyproject's readme (the wheel's long description); the trailing * lets the build go
 # on without it, as setuptools only warns when it is missing.
 COPY pyproject.toml README.md* /tmp/llava-sessions-src/
@@ -56,7 +57,7 @@ COPY llava/ /tmp/llava-sessions-src/llava/
 RUN python /opt/llava-sessions/base_constraints.py > /opt/llava-sessions/constraints.txt \
  && cat /opt/llava-sessions/constraints.txt \
  && python -m pip install --no-cache-dir --root-user-action=ignore \
-        -c /opt/llava-sessions/constraints.txt \
+        -c /opt/llava-sessions/constraints.txt -c /opt/llava-sessions/image.lock \
         "/tmp/llava-sessions-src[engine,aws]" \
  && rm -rf /tmp/llava-sessions-src
 

@@ -40,13 +40,13 @@ help:
 	@echo "make delete [S3_URI=...] [ECR_REPOSITORY=...]       delete endpoint $(ENDPOINT)"
 
 # torch first, from the pinned CPU wheel: letting pip resolve it pulls a multi-GB CUDA build.
-$(BIN)/.installed: pyproject.toml
+$(BIN)/.installed: pyproject.toml docker/image.lock
 	@test -n "$(PYTHON)" && command -v $(PYTHON) >/dev/null || { \
 		echo "need Python 3.10 to 3.13 on PATH (or set PYTHON=/path/to/python3)"; exit 1; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==$(TORCH_VERSION)
-	$(BIN)/python -m pip install -q -e ".[engine,serve,aws,ui,dev]"
+	$(BIN)/python -m pip install -q -c docker/image.lock -e ".[engine,serve,aws,ui,dev]"
 	@touch $@
 
 venv: $(BIN)/.installed

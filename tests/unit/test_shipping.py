@@ -171,7 +171,11 @@ def test_kit_install_is_constrained_to_the_image_torch_and_torchserve() -> None:
     install = words.index("install")
     pip_words = words[install:]
     pip_words = pip_words[: pip_words.index("&&")] if "&&" in pip_words else pip_words
-    assert pip_words[pip_words.index("-c") + 1] == constraints
+    given = [pip_words[i + 1] for i, word in enumerate(pip_words) if word == "-c"]
+    assert constraints in given
+    # ... and under the image's lock (tests/unit/test_lock.py: the versions the tests run)
+    assert ["docker/image.lock", "/opt/llava-sessions/image.lock"] in copies
+    assert "/opt/llava-sessions/image.lock" in given
     assert "--no-cache-dir" in pip_words
     assert any(word.endswith("[engine,aws]") for word in pip_words), pip_words
     assert run.index("base_constraints.py") < run.index("pip install")
