@@ -6,6 +6,7 @@ import base64
 import io
 import json
 import random
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +116,40 @@ class Reference:
         generated = out[0, inputs["input_ids"].shape[1] :]
         return self.processor.tokenizer.decode(generated, skip_special_tokens=True)
 
+    def greedy(
+        self, images: list[Image.Image], messages: list[dict[str, Any]], max_new_tokens: int
+    ) -> Greedy:
+        """Answer greedily from scratch, keeping each step's most likely tokens (the oracle
+        for devices where near-ties may break either way: bf16 on a GPU)."""
+        import torch
+
+        text = self.processor.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+        pictures = {"images": [images]} if images else {}
+        inputs = self.processor(text=[text], return_tensors="pt", **pictures)
+        device = self.model.device
+        inputs = {
+            k: v.to(device, self.model.dtype) if v.is_floating_point() else v.to(device)
+            for k, v in inputs.items()
+        }
+        with torch.inference_mode():
+            out = self.model.generate(
+                **inputs,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                output_scores=True,
+                return_dict_in_generate=True,
+            )
+        generated = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
+        top = [scores[0].topk(TOP_K).indices.tolist() for scores in out.scores]
+        text = self.processor.tokenizer.decode(generated, skip_special_tokens=True)
+        eos = self.model.generation_config.eos_token_id
+        eos_ids = set(eos if isinstance(eos, list) else [eos])
+        while generated and generated[-1] in eos_ids:  # the kit's tokens hold no EOS
+            generated.pop()
+        return Greedy(generated, top, text)
+
     def chat_answer(
         self, messages: list[dict[str, Any]], images: dict[str, Image.Image], max_new_tokens: int
     ) -> str:
@@ -163,6 +198,32 @@ class Reference:
                 past.append((prompt, answer))
             answers.append(answer)
         return answers
+
+
+TOP_K = 5
+
+
+@dataclass
+class Greedy:
+    """The pipeline's greedy answer: its tokens, each step's top tokens, and its text."""
+
+    tokens: list[int]
+    top: list[list[int]]
+    text: str
+
+    def assert_close(self, tokens: list[int], where: str = "") -> None:
+        """Assert an answer is the pipeline's up to a near-tie, as vLLM's
+        `check_logprobs_close`: equal tokens, until the first difference, where the other
+        token must be among the pipeline's top ones at that step; past it the two answers go
+        on from different tokens and are not compared."""
+        for i, (mine, theirs) in enumerate(zip(tokens, self.tokens, strict=False)):
+            if mine != theirs:
+                assert mine in self.top[i], (
+                    f"{where}: token {i} is {mine}, not among the pipeline's top {TOP_K} "
+                    f"{self.top[i]} (its answer: {self.text!r})"
+                )
+                return
+        assert len(tokens) == len(self.tokens), f"{where}: {tokens} against {self.tokens}"
 
 
 def _load_processor(checkpoint: Path) -> Any:
