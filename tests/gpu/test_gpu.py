@@ -40,21 +40,50 @@ def image(i: int) -> Any:
     return make_image(40 + i, SIZES[i % len(SIZES)])
 
 
+class Oracle:
+    """The pipeline on the device, never beside the engine: a 7B engine and a 7B reference do
+    not fit one 24 GB card together. The reference waits in host memory; for a check the
+    engine's weights step out to host memory, the reference's step in, and back after."""
+
+    def __init__(self, engine: LlavaEngine, checkpoint: Path, gpu: Setting) -> None:
+        self.engine, self.device = engine, torch.device(gpu.device)
+        self.reference = Reference(checkpoint, dtype=gpu.torch_dtype, device="cpu")
+        self.processor = self.reference.processor
+
+    @staticmethod
+    def messages(*args: Any) -> list[dict[str, Any]]:
+        return Reference.messages(*args)
+
+    def greedy(self, images: list[Any], messages: list[dict[str, Any]], tokens: int) -> Any:
+        models = [replica.model for replica in self.engine.runner.replicas]
+        for model in models:
+            model.to("cpu")
+        self.reference.model.to(self.device)
+        try:
+            return self.reference.greedy(images, messages, tokens)
+        finally:
+            self.reference.model.to("cpu")
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            for model, replica in zip(models, self.engine.runner.replicas, strict=True):
+                model.to(replica.device)
+
+
 @pytest.fixture(scope="module", params=[0, 1], ids=["llava15", "second-family"])
 def family(request: pytest.FixtureRequest, gpu: Setting, checkpoints: dict[str, Path]):
-    """An engine and the oracle, on the device, for each of the two families."""
+    """An engine and the oracle, for each of the two families."""
     checkpoint = checkpoints[gpu.profiles[request.param]]
     config = ServerConfig(device=gpu.device, dtype=gpu.dtype)
     engine = LlavaEngine.load(checkpoint, config)
-    reference = Reference(checkpoint, dtype=gpu.torch_dtype, device=gpu.device)
-    yield engine, reference
-    del engine, reference
+    oracle = Oracle(engine, checkpoint, gpu)
+    yield engine, oracle
+    del engine, oracle
     if gpu.device == "cuda":
         torch.cuda.empty_cache()
 
 
 def assert_conversation(
-    reference: Reference,
+    reference: Reference | Oracle,
     picture: Any,
     prompts: list[str],
     answers: list[Any],
