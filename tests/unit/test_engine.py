@@ -325,3 +325,26 @@ def test_a_generated_image_token_is_text_and_the_session_goes_on(
         [image], reference.messages(None, [("What is this?", answer_1)], "And the colors?"), 10
     )
     assert follow == oracle
+
+
+def test_a_text_only_session_answers_and_takes_its_first_image_later(engine, reference):
+    """A session may open without an image; on a single-image model its first image may come
+    with any question, and every answer is the pipeline's on the same conversation."""
+    state = engine.new_session(None)
+    engine.run_to_end(engine.start_open(state))
+    first = answer(engine, state, "Hello, who are you?").text
+    assert first == reference.answer(
+        [], reference.messages(None, [], "Hello, who are you?", [0]), 10
+    )
+    image = make_image(12)
+    second = answer(engine, state, "What is in this picture?", image=image).text
+    expected = reference.answer(
+        [image],
+        reference.messages(
+            None, [("Hello, who are you?", first)], "What is in this picture?", [0, 1]
+        ),
+        10,
+    )
+    assert second == expected
+    with pytest.raises(Exception, match="one image per conversation"):
+        engine.start_turn(state, "And this one?", GREEDY, image=make_image(13))
