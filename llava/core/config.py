@@ -45,7 +45,7 @@ class ServerConfig:
     # Sessions
     session_ttl_s: float = 1200.0
     max_sessions: int = 64
-    # Memory tiers (0 = derived at start from the free memory: see engine/budget.py): past the
+    # Memory tiers (0 = derived at start from the free memory: see engine/model/budget.py): past the
     # device budget the least recently used sessions' caches move to host memory; past the host
     # budget they keep only their image features (recomputed on their next turn); past that
     # they are evicted.
@@ -54,8 +54,8 @@ class ServerConfig:
     cache_mode: str = "kv"  # "kv": per-session KV cache; "pixels": the reference design
     # Scheduling: the tokens one step may process (decodes, prefill chunks, vision-tower work);
     # what bounds how long any stream waits while others open sessions or ask long questions.
-    # 0 = measured: calibrated at start (engine/calibrate.py), then re-derived before every
-    # step from the steps actually run (engine/pacing.py).
+    # 0 = measured: calibrated at start (engine/scheduling/calibrate.py), then re-derived
+    # before every step from the steps actually run (engine/scheduling/pacing.py).
     step_token_budget: int = 0
     # CPU threads for torch's own operators. 0 = one less than the CPUs this worker may use
     # (at most torch's default): the core left over serves TorchServe's frontend and the image

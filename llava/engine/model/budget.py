@@ -6,7 +6,7 @@ activations (a prefill chunk, the vision tower, the allocator's slack), halved b
 decoding session's cache is copied into the stacked decode batch while it decodes (the batch's
 buffers are the other half). The host budget is half the memory the kernel reports available.
 Past the device budget idle sessions move to host memory, past the host budget they keep only
-their image features (see `memory.py`), so no default lets sessions fill the card.
+their image features (see `sessions/memory.py`), so no default lets sessions fill the card.
 """
 
 from __future__ import annotations
