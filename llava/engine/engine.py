@@ -309,6 +309,11 @@ class LlavaEngine:
         crop_to(turn.cache, turn.start_len)
         turn.state.cache_ids = turn.fed[: turn.start_len]
 
+    def limit_batches(self, budget: int | None) -> None:
+        """Bound what a stacked decode batch may allocate (the device budget's reserved half);
+        answers it has no room for decode alone."""
+        self.runner.decoder.batch_budget = budget
+
     @staticmethod
     def out_of_memory(exc: BaseException) -> bool:
         """Tell a device out-of-memory error (worth a retry once memory is freed)."""

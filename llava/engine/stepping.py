@@ -98,16 +98,18 @@ def _packed(
     decodes = [i for i in positions if i not in mine]
     if len(positions) == 1:  # nothing to pack with
         return _unpacked(runner, turns, mine, decodes)
-    decoding = [turns[i] for i in decodes]
+    stacked, alone = runner.decoder.stackable([(i, turns[i]) for i in decodes])
+    if len(stacked) < 2:  # nothing to stack: each decode is a piece of its own
+        stacked, alone = [], [*stacked, *alone]
     batch = None
     try:
         pieces = [_piece(runner, turns[i], n) for i, n in mine.items()]
-        if len(decoding) > 1:  # their stacked cache, as one piece
-            batch = runner.decoder.batch_for(replica_idx, decoding)
+        if stacked:  # their stacked cache, as one piece
+            batch = runner.decoder.batch_for(replica_idx, [t for _, t in stacked])
             pieces.append(batch.piece())
-        elif decoding:
+        else:
             runner.decoder.split(replica_idx)
-            pieces.append(_piece(runner, decoding[0], None))
+        pieces += [_piece(runner, turn, None) for _, turn in alone]
         logits = packed_forward(runner.replicas[replica_idx].model, pieces, runner.image_token_id)
     except Exception:  # every cache is as it was: run each piece alone, so only a culprit fails
         return _unpacked(runner, turns, mine, decodes)
@@ -122,14 +124,13 @@ def _packed(
     rows = logits[len(mine) :]
     if batch is not None:
         batch.advance()
-        failed = runner.decoder.accept_rows(decoding, rows)
-        errors.update({decodes[row]: exc for row, exc in failed.items()})
-    elif decoding:
-        turn = decoding[0]
+        failed = runner.decoder.accept_rows([t for _, t in stacked], rows[: len(stacked)])
+        errors.update({stacked[row][0]: exc for row, exc in failed.items()})
+    for (i, turn), row in zip(alone, rows[len(stacked) :], strict=True):
         try:
-            token = _sample(turn, rows[0], 1)
+            token = _sample(turn, row, 1)
         except Exception as exc:
-            errors[decodes[0]] = exc
+            errors[i] = exc
         else:
             turn.fed = turn.fed + turn.pending
             runner.decoder.accept(turn, token)

@@ -401,3 +401,42 @@ def test_unstacking_that_fails_at_any_row_leaves_the_batch_whole(
     for turn, image in zip(turns, images, strict=True):
         engine.finish_turn(turn)
         assert turn.text == reference.answers(image, ["What is this?"], 8)[0]
+
+
+def test_a_long_conversation_among_short_ones_keeps_the_batch_within_its_budget(
+    engine: LlavaEngine, reference: Reference, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worst mix: one long conversation decoding beside short ones would pad every row of
+    the stacked batch to its length. With a batch budget, what the batch allocates (measured:
+    its tensors) stays within it, the long answer decodes alone (counted), and every answer is
+    still the pipeline's."""
+    from llava.engine.decoding import batch as batch_module
+    from llava.engine.decoding.decoder import batch_bytes
+    from llava.engine.model.cache import cache_tensors
+
+    short_prompt, long_prompt = "What is this?", "Describe everything you see. " * 40
+    images = [make_image(100 + i) for i in range(4)]
+    states = [engine.open_session(image) for image in images]
+    prompts = [short_prompt, short_prompt, short_prompt, long_prompt]
+    turns = [engine.start_turn(s, p, GREEDY) for s, p in zip(states, prompts, strict=True)]
+    shorts = turns[:3]
+    engine.limit_batches(batch_bytes(shorts) + 1)  # room for the short ones stacked, not the long
+    allocated: list[int] = []
+    real_init = batch_module.DecodeBatch.__init__
+
+    def measured(self: Any, members: list[Any]) -> None:
+        real_init(self, members)
+        allocated.append(sum(t.numel() * t.element_size() for t in cache_tensors(self.cache)))
+
+    monkeypatch.setattr(batch_module.DecodeBatch, "__init__", measured)
+    before = engine.runner.decoder.alone_for_room
+    try:
+        while any(not t.done for t in turns):
+            assert not engine.step([t for t in turns if not t.done])
+    finally:
+        engine.limit_batches(None)
+    assert allocated and max(allocated) <= batch_bytes(shorts) + 1
+    assert engine.runner.decoder.alone_for_room > before
+    for turn, image, prompt in zip(turns, images, prompts, strict=True):
+        engine.finish_turn(turn)
+        assert turn.text == reference.answers(image, [prompt], 8)[0]

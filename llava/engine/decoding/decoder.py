@@ -9,6 +9,7 @@ and the others go on exactly as if nothing had happened.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +22,7 @@ from llava.engine.model.cache import crop_to
 from llava.engine.state.session import Replica, Turn
 
 Forward = Callable[[Replica, Any, list[int], Any, int], torch.Tensor]
+log = logging.getLogger(__name__)
 
 
 class Decoder:
@@ -31,6 +33,11 @@ class Decoder:
         self.forward = forward
         self.eos_ids = eos_ids
         self._batches: dict[int, DecodeBatch] = {}  # replica index -> stacked decode batch
+        # What a stacked batch may allocate (its rows padded to the longest, with room for the
+        # longest answer still to come): the device budget's half reserved for it (budget.py).
+        # None: unbounded (a CPU, where sessions live in host memory).
+        self.batch_budget: int | None = None
+        self.alone_for_room = 0  # answers' steps decoded alone: the batch had no room for them
 
     @property
     def stacked(self) -> bool:
@@ -39,17 +46,48 @@ class Decoder:
 
     def decode(self, replica_idx: int, group: list[tuple[int, Turn]]) -> dict[int, Exception]:
         """Advance each (position, turn) of one replica by a token; return errors by position."""
-        turns = [t for _, t in group]
-        if len(turns) == 1:
+        stacked, alone = self.stackable(group)
+        if len(stacked) < 2:
             self.split(replica_idx)
             return self._decode_alone(group)
+        turns = [t for _, t in stacked]
         try:
-            logits = self.batch_for(replica_idx, turns).forward(self.replicas[replica_idx].model)
+            batch = self.batch_for(replica_idx, turns)  # gives the others their caches back
+        except Exception:
+            self.split(replica_idx)
+            return self._decode_alone(group)
+        errors = self._decode_alone(alone)
+        try:
+            logits = batch.forward(self.replicas[replica_idx].model)
         except Exception:  # the shared forward failed: retry alone, so only the culprit fails
             self.split(replica_idx)
-            return self._decode_alone(group)
+            return {**errors, **self._decode_alone(stacked)}
         failed = self.accept_rows(turns, logits)
-        return {group[row][0]: exc for row, exc in failed.items()}
+        return {**errors, **{stacked[row][0]: exc for row, exc in failed.items()}}
+
+    def stackable(
+        self, group: list[tuple[int, Turn]]
+    ) -> tuple[list[tuple[int, Turn]], list[tuple[int, Turn]]]:
+        """Split answers into those a stacked batch holds within `batch_budget` (the shortest
+        first) and those that decode alone: one long conversation among short ones would pad
+        every row to its length."""
+        if self.batch_budget is None or len(group) < 2:
+            return group, []
+        ordered = sorted(group, key=lambda item: item[1].cache.get_seq_length())
+        stacked: list[tuple[int, Turn]] = []
+        for item in ordered:
+            rows = [*stacked, item]
+            if batch_bytes([t for _, t in rows]) > self.batch_budget:
+                break
+            stacked = rows
+        kept = {id(t) for _, t in stacked}
+        alone = [item for item in group if id(item[1]) not in kept]
+        if alone and len(stacked) > 1:
+            self.alone_for_room += len(alone)
+            log.debug(
+                "%d answer(s) decode alone: no room for them in the stacked batch", len(alone)
+            )
+        return [item for item in group if id(item[1]) in kept], alone
 
     def batch_for(self, replica_idx: int, turns: list[Turn]) -> DecodeBatch:
         """Return the replica's stacked batch of exactly `turns`, restacked if its members
@@ -156,3 +194,15 @@ class Decoder:
         for replica_idx, batch in list(self._batches.items()):
             if any(t is turn for t in batch.turns):
                 self.split(replica_idx)
+
+
+def batch_bytes(turns: list[Turn]) -> int:
+    """Return what stacking `turns` allocates: every row padded to the longest, with room for
+    the longest answer still to come (as `DecodeBatch` preallocates)."""
+    width = max(t.cache.get_seq_length() for t in turns)
+    room = width + max(t.max_new_tokens - len(t.generated) for t in turns) + 1
+    per_position = sum(
+        layer.keys.shape[1] * layer.keys.shape[3] * layer.keys.element_size() * 2
+        for layer in turns[0].cache.layers
+    )
+    return len(turns) * room * per_position

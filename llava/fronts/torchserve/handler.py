@@ -108,6 +108,8 @@ class SessionHandler:
         self._last_tiers: dict[str, Any] | None = None
         self._reported_version: int | None = None
         self._last_snapshots: dict[str, int] | None = None
+        self._decoder: Any = None  # the engine's, for what it decoded outside a batch
+        self._last_alone = 0
 
     def initialize(self, context: Any) -> None:
         """Build config, engine, session store and image loader from the model archive."""
@@ -152,6 +154,8 @@ class SessionHandler:
             config.host_budget_bytes,
         )
         self.memory = TieredMemory(llava_engine, budgets.device, budgets.host)
+        llava_engine.limit_batches(budgets.device)  # the batch has the budget's other half
+        self._decoder = llava_engine.runner.decoder
         registry, left_open = open_registry(context)
         # Snapshots need the registry: it alone tells which sessions an earlier worker left open.
         snapshots = open_snapshots(config, context) if registry is not None else None
@@ -223,6 +227,7 @@ class SessionHandler:
         if self.memory is None or metrics is None or self.service is None:
             return
         self._report_snapshots(metrics)
+        self._report_alone(metrics)
         store = self.service.store
         if store.version == self._reported_version:
             return  # nothing changed since the last step: skip walking every cache
@@ -254,6 +259,22 @@ class SessionHandler:
                     )
         except Exception:  # metrics must never cost a request its answer
             log.warning("could not publish session metrics", exc_info=True)
+
+    def _report_alone(self, metrics: Any) -> None:
+        """Publish how many answer steps decoded alone for want of room in the stacked batch
+        (a long conversation among short ones), when it changes."""
+        alone = self._decoder.alone_for_room if self._decoder is not None else 0
+        if alone == self._last_alone:
+            return
+        self._last_alone = alone
+        try:
+            from ts.metrics.metric_type_enum import MetricTypes
+
+            metrics.add_metric(
+                "LlavaDecodedAlone", alone, "Count", dimensions=[], metric_type=MetricTypes.GAUGE
+            )
+        except Exception:  # metrics must never cost a request its answer
+            log.warning("could not publish decode metrics", exc_info=True)
 
     def _report_snapshots(self, metrics: Any) -> None:
         """Publish the snapshots on disk (count and bytes) when they change."""
