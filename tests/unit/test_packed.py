@@ -8,11 +8,13 @@ that forward gives it, for the plain causal layers and for sliding-window layers
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 from helpers import make_image
+from torch.nn.attention.bias import CausalBias
 
 from llava.core.config import ServerConfig
 from llava.engine import LlavaEngine
@@ -252,3 +254,31 @@ def test_flash_attention_keeps_its_name_and_dispatch_when_packing(tiny_checkpoin
     finally:
         AttentionInterface.register("flash_attention_2", saved[0])
         ALL_MASK_ATTENTION_FUNCTIONS.register("flash_attention_2", saved[1])
+
+
+def test_a_chunk_never_reaches_the_math_kernel_with_a_dense_mask(engine, monkeypatch) -> None:
+    """A packed chunk's attention goes to SDPA as a causal bias (or, on a sliding-window
+    layer, a boolean mask) with as many key heads as query heads: SDPA's math kernel, which
+    materialises the whole [heads, chunk, cache] matrix, is never the only one that can run it
+    (on a OneVision image's 4k-token chunk that was about 3 GB per layer). Answers unchanged."""
+    from llava.engine.model import packed as packed_module
+
+    real, calls = torch.nn.functional.scaled_dot_product_attention, []
+
+    def recorded(q: Any, k: Any, v: Any, **kwargs: Any) -> Any:
+        calls.append((q.shape, k.shape, kwargs["attn_mask"], kwargs["enable_gqa"]))
+        return real(q, k, v, **kwargs)
+
+    # the packing attention's own calls only (transformers' unpacked ones go on as they were)
+    monkeypatch.setattr(packed_module, "F", SimpleNamespace(scaled_dot_product_attention=recorded))
+    with torch.inference_mode():
+        alone, _, packed, _ = both_ways(engine)
+    chunks = [c for c in calls if c[0][2] > 1]
+    assert chunks
+    text = engine.runner.replicas[0].model.config.get_text_config()
+    for q_shape, k_shape, mask, grouped in chunks:
+        assert not grouped and k_shape[1] == q_shape[1]
+        # a causal bias the fused kernels take; a dense boolean mask only to narrow a window
+        assert isinstance(mask, CausalBias) or (mask.dtype == torch.bool and sliding(text))
+    for row in range(2):
+        torch.testing.assert_close(packed[row], alone[row], rtol=1e-4, atol=1e-4)

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface, DynamicCache
 from transformers.cache_utils import DynamicLayer
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
@@ -99,32 +100,37 @@ def _attend(
         if stacked:  # a row per token: [rows, heads, 1, dim]
             q = q.transpose(0, 2)
         total = keys.shape[2]
+        attn_mask: Any = mask
         if window is not None and total > window:
-            mask = _within(mask, stacked, count, total, window, q.device)
+            attn_mask = _within(mask, stacked, count, total, window, q.device)
+        elif count > 1 and not stacked:  # a chunk: causal, aligned to the end of its cache
+            attn_mask = causal_lower_right(count, total)  # no dense mask: the fused kernels run
+        if count > 1 and not stacked and keys.shape[1] != q.shape[1]:
+            # A chunk's mask with grouped-query heads runs only in SDPA's math kernel, which
+            # would materialise the whole [heads, chunk, cache] matrix: repeat the KV heads.
+            # (A decode's one query makes that matrix small: no copy for it.)
+            groups = q.shape[1] // keys.shape[1]
+            keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
         out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, scale=scaling, enable_gqa=keys.shape[1] != q.shape[1]
+            q,
+            keys,
+            values,
+            attn_mask=attn_mask,
+            scale=scaling,
+            enable_gqa=keys.shape[1] != q.shape[1],
         )
         outputs.append(out.transpose(0, 2) if stacked else out)
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
 
 
-def _masks(
-    pieces: list[Piece], before: list[int], device: torch.device
-) -> list[torch.Tensor | None]:
-    """Each piece's attention mask, built once per forward (every layer uses it): causal for a
-    chunk, aligned to the end of its cache; a stacked piece's padding; none for one token."""
-    masks: list[torch.Tensor | None] = []
-    for piece, length in zip(pieces, before, strict=True):
-        count, total = len(piece.ids), length + len(piece.ids)
-        if piece.mask is not None:
-            masks.append(piece.mask.to(device).bool()[:, None, None, :])
-        elif count > 1:  # query i is at position total - count + i: it sees the keys up to there
-            masks.append(
-                torch.ones(count, total, dtype=torch.bool, device=device).tril(total - count)
-            )
-        else:
-            masks.append(None)
-    return masks
+def _masks(pieces: list[Piece], device: torch.device) -> list[torch.Tensor | None]:
+    """Each piece's attention mask, built once per forward (every layer uses it): a stacked
+    piece's padding; none for a chunk (causal, aligned to the end of its cache: `_attend` asks
+    the kernel for that, and a sliding-window layer builds its own) or for one token."""
+    return [
+        piece.mask.to(device).bool()[:, None, None, :] if piece.mask is not None else None
+        for piece in pieces
+    ]
 
 
 def _within(
@@ -140,7 +146,8 @@ def _within(
         narrowed = mask.clone()
         narrowed[..., : total - window] = False
         return narrowed
-    causal = mask if mask is not None else torch.ones(count, total, dtype=torch.bool, device=device)
+    # query i is at position total - count + i: it sees the keys up to there, and `window` back
+    causal = torch.ones(count, total, dtype=torch.bool, device=device).tril(total - count)
     return causal & ~causal.tril(total - count - window)
 
 
@@ -195,7 +202,7 @@ def packed_forward(model: Any, pieces: list[Piece], image_token_id: int) -> torc
             past_key_values=packed,
             use_cache=True,
             logits_to_keep=torch.tensor(ends, device=device),
-            packing=list(zip(pieces, _masks(pieces, before, device), strict=True)),
+            packing=list(zip(pieces, _masks(pieces, device), strict=True)),
         )
     except BaseException:
         for piece, length in zip(pieces, before, strict=True):
