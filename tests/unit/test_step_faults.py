@@ -174,9 +174,12 @@ def expected(reference: Reference, image: Any, i: int) -> list[str]:
 
 def test_a_fault_in_a_batched_decode_changes_no_answer_in_the_batch(engine, reference) -> None:
     images, states, turns = batch_of_three(engine)
+    failures = engine.runner.decoder.stack_failures
     with fault(engine, batched_decode) as fired:
         errors = step_until_error(engine, turns)  # the batch is retried one answer at a time
     assert fired and not errors
+    # not silent: counted (the LlavaDecodedAlone gauge, reason "failure") and logged
+    assert engine.runner.decoder.stack_failures > failures
     while not all(t.done for t in turns):
         assert not engine.step(turns)
     for i, (image, state, turn) in enumerate(zip(images, states, turns, strict=True)):

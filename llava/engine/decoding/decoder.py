@@ -38,6 +38,7 @@ class Decoder:
         # None: unbounded (a CPU, where sessions live in host memory).
         self.batch_budget: int | None = None
         self.alone_for_room = 0  # answers' steps decoded alone: the batch had no room for them
+        self.stack_failures = 0  # stacked forwards that failed, their answers then run alone
 
     @property
     def stacked(self) -> bool:
@@ -59,7 +60,9 @@ class Decoder:
         errors = self._decode_alone(alone)
         try:
             logits = batch.forward(self.replicas[replica_idx].model)
-        except Exception:  # the shared forward failed: retry alone, so only the culprit fails
+        except Exception as exc:  # the shared forward failed: retry alone: only a culprit fails
+            self.stack_failures += 1
+            log.warning("stacked decode failed (%s); each answer decodes alone", exc)
             self.split(replica_idx)
             return {**errors, **self._decode_alone(stacked)}
         failed = self.accept_rows(turns, logits)

@@ -109,7 +109,7 @@ class SessionHandler:
         self._reported_version: int | None = None
         self._last_snapshots: dict[str, int] | None = None
         self._decoder: Any = None  # the engine's, for what it decoded outside a batch
-        self._last_alone = 0
+        self._last_alone: dict[str, int] = {}
 
     def initialize(self, context: Any) -> None:
         """Build config, engine, session store and image loader from the model archive."""
@@ -261,18 +261,26 @@ class SessionHandler:
             log.warning("could not publish session metrics", exc_info=True)
 
     def _report_alone(self, metrics: Any) -> None:
-        """Publish how many answer steps decoded alone for want of room in the stacked batch
-        (a long conversation among short ones), when it changes."""
-        alone = self._decoder.alone_for_room if self._decoder is not None else 0
-        if alone == self._last_alone:
+        """Publish the answer steps decoded outside the stacked batch, by reason (no room for a
+        long conversation; the stacked forward failed), when they change."""
+        if self._decoder is None:
             return
-        self._last_alone = alone
+        counts = {"room": self._decoder.alone_for_room, "failure": self._decoder.stack_failures}
+        if counts == self._last_alone:
+            return
+        self._last_alone = counts
         try:
+            from ts.metrics.dimension import Dimension
             from ts.metrics.metric_type_enum import MetricTypes
 
-            metrics.add_metric(
-                "LlavaDecodedAlone", alone, "Count", dimensions=[], metric_type=MetricTypes.GAUGE
-            )
+            for reason, count in counts.items():
+                metrics.add_metric(
+                    "LlavaDecodedAlone",
+                    count,
+                    "Count",
+                    dimensions=[Dimension("Reason", reason)],
+                    metric_type=MetricTypes.GAUGE,
+                )
         except Exception:  # metrics must never cost a request its answer
             log.warning("could not publish decode metrics", exc_info=True)
 
