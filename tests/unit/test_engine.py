@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from helpers import Reference, make_image
 
@@ -348,3 +350,34 @@ def test_a_text_only_session_answers_and_takes_its_first_image_later(engine, ref
     assert second == expected
     with pytest.raises(Exception, match="one image per conversation"):
         engine.start_turn(state, "And this one?", GREEDY, image=make_image(13))
+
+
+def test_an_answer_that_spells_the_image_placeholder_stays_text(engine, reference):
+    """Sampled piece by piece, an answer can spell the image placeholder; read back as an image
+    it made every later question in the session fail (500). It stays text, and the next
+    answer is the pipeline's on the conversation as the kit renders it."""
+    image = make_image(14)
+    state = engine.open_session(image)
+    answer(engine, state, "What is this?")
+    token = engine.runner.chat.image_token
+    state.history[-1] = replace(state.history[-1], answer=f"A cat {token} here")
+    follow = answer(engine, state, "And the colors?").text
+    kept = engine.runner.chat.as_text(f"A cat {token} here")
+    assert token not in kept
+    messages = reference.messages(None, [("What is this?", kept)], "And the colors?")
+    assert follow == reference.answer([image], messages, 10)
+
+
+def test_a_client_chat_holding_the_image_placeholder_is_a_400_naming_messages(engine):
+    from llava.core.errors import InvalidRequest
+
+    state = engine.open_session(make_image(15))
+    token = engine.runner.chat.image_token
+    chat = (
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": f"see {token}"}]},
+        {"role": "user", "content": [{"type": "text", "text": "And?"}]},
+    )
+    with pytest.raises(InvalidRequest) as info:
+        engine.start_chat(state, chat, GREEDY)
+    assert info.value.status == 400 and info.value.field == "messages"

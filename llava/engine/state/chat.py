@@ -60,8 +60,16 @@ class ChatFormatter:
             content.append({"type": "text", "text": question})
             out.append({"role": "user", "content": content})
             if i < len(history):
-                out.append(_message("assistant", history[i].answer))
+                out.append(_message("assistant", self.as_text(history[i].answer)))
         return out
+
+    def as_text(self, answer: str) -> str:
+        """Keep an answer text: one that spells the image placeholder (sampled piece by piece)
+        would otherwise be read back as an image, and fail every later question. A zero-width
+        space keeps it text."""
+        return answer.replace(
+            self.image_token, self.image_token[:1] + "\u200b" + self.image_token[1:]
+        )
 
     def chat_messages(self, system_prompt: str | None, chat: Sequence[Message]) -> list[Message]:
         """Prepend the system prompt to a client's messages (already in the template's format)."""
