@@ -72,25 +72,19 @@ class BackgroundImages:
         )
         self.processes = ImageProcesses(source.decoder, prepare, processes) if processes else None
 
-    def submit(
-        self,
-        ref: str,
-        earlier: Sequence[Any] = (),
-        then: Callable[[Any], Any] | None = None,
-    ) -> Future:
-        """Start loading one image and preparing it (with the conversation's `earlier` images);
-        `then` runs on the thread with the result. The future holds the result or the error."""
+    def submit(self, ref: str, earlier: Sequence[Any] = ()) -> Future:
+        """Start loading one image and preparing it (with the conversation's `earlier` images).
+        The future holds the result or the error."""
         pool = self._local if is_inline(ref) else self._fetch
-        return pool.submit(self._load, ref, list(earlier), then)
+        return pool.submit(self._load, ref, list(earlier))
 
-    def submit_all(
-        self, refs: Sequence[str], known: Callable[[str], bool] = lambda digest: False
-    ) -> Future:
+    def submit_all(self, refs: Sequence[str], known: Callable[[str], bool] | None = None) -> Future:
         """Load a conversation's images (any number) and prepare them together.
 
-        The future holds (prepared images or None, content digest): the digest identifies the
-        images by their files' bytes, however they were sent, and the images are not prepared
-        (no processor, no vision tower) when `known(digest)` says a session holds them already.
+        The future holds (prepared images or None, content digest). Given `known`, the digest
+        identifies the images by their files' bytes, however they were sent, and the images
+        are not prepared (no processor, no vision tower) when `known(digest)` says a session
+        holds them already; without it nothing is hashed and the digest is "".
         """
         if not refs:
             ready: Future = Future()
@@ -106,16 +100,15 @@ class BackgroundImages:
         if self.processes is not None:
             self.processes.close()
 
-    def _load(self, ref: str, earlier: list[Any], then: Callable[[Any], Any] | None) -> Any:
+    def _load(self, ref: str, earlier: list[Any]) -> Any:
         with _naming_image():
-            prepared = self._prepared(self._source.read(ref), earlier)
-        return then(prepared) if then is not None else prepared
+            return self._prepared(self._source.read(ref), earlier)
 
-    def _load_all(self, refs: list[str], known: Callable[[str], bool]) -> tuple[Any, str]:
+    def _load_all(self, refs: list[str], known: Callable[[str], bool] | None) -> tuple[Any, str]:
         with _naming_image():
             data = [self._source.read(ref) for ref in refs]
-            digest = "+".join(content_digest(d) for d in data)
-            if known(digest):
+            digest = "+".join(content_digest(d) for d in data) if known is not None else ""
+            if known is not None and known(digest):
                 return None, digest
             earlier = [self._source.decoder(d) for d in data[:-1]]  # processed with the last
             return self._prepared(data[-1], earlier), digest

@@ -15,7 +15,8 @@ taken ends the oldest idle one.
 
 from __future__ import annotations
 
-from typing import Any, Generic
+from collections.abc import Callable
+from typing import Generic
 
 from llava.api.headers import NEW_SESSION
 from llava.api.openai import ChatCompletion, check_same_chat
@@ -98,7 +99,8 @@ class ChatDesk(Generic[StateT, TurnT]):
         if best is not None:
             state = self.engine.fork(best[2].state, best[0])
         elif request.images and prepared is None:  # what held it is gone: prepare it after all
-            return Fetching(request, self.images.submit_all(request.images), replies=replies)
+            image = self.images.submit_all(request.images, _never_held)
+            return Fetching(request, image, replies=replies)
         else:
             state = self.engine.new_session(prepared, request.system_prompt)
         return self._answer_kept(state, request, replies, key)
@@ -134,19 +136,14 @@ class ChatDesk(Generic[StateT, TurnT]):
 
     def _candidates(self, key: str) -> list[Session]:
         """The sessions still holding a conversation with this key, newest first."""
-        ids = [sid for sid in self._held.get(key, []) if sid in self.store]
-        if ids:
-            self._held[key] = ids
+        held = [s for sid in self._held.get(key, []) if (s := self.store.peek(sid)) is not None]
+        if held:
+            self._held[key] = [s.id for s in held]
         else:
             self._held.pop(key, None)
-        sessions = []
-        for sid in reversed(ids[-CANDIDATES:]):
-            session = self.store.peek(sid)
-            if session is not None and session.state is not None and not session.closing:
-                sessions.append(session)
-        return sessions
+        return [s for s in reversed(held[-CANDIDATES:]) if s.state is not None]
 
-    def _is_held(self, request: ChatCompletion) -> Any:
+    def _is_held(self, request: ChatCompletion) -> Callable[[str], bool]:
         """What tells the image threads that a session holds this image (skip preparing it)."""
         system_prompt = request.system_prompt
 
@@ -158,3 +155,8 @@ class ChatDesk(Generic[StateT, TurnT]):
     @staticmethod
     def _key(digest: str, system_prompt: str | None) -> str:
         return f"{digest}\n{system_prompt or ''}"
+
+
+def _never_held(digest: str) -> bool:
+    """Hash the images (their digest keys what is kept) but prepare them whatever it is."""
+    return False
