@@ -187,8 +187,8 @@ class LlavaEngine:
         prepared by `prepare(image, state)`.
         """
         runner = self.runner
-        turns.refuse_placeholder(self.runner, prompt, "prompt")
-        turns.check_prompt_tokens(self.runner, prompt, "prompt")
+        turns.refuse_placeholder(runner, prompt, "prompt")
+        turns.check_prompt_tokens(runner, prompt, "prompt")
         if image is not None and not isinstance(image, PreparedImages):  # in-process callers
             image = self.prepare(image, state)
         images, reencoded = runner.images.for_turn(state.images, image, history)
@@ -201,8 +201,8 @@ class LlavaEngine:
         )
         text = runner.chat.render(messages)
         ids = runner.chat.tokenize(text, images.tokens)
-        room = turns.room_for_answer(self.runner, ids, "prompt")
-        common = turns.reusable(self.runner, state, ids)
+        room = turns.room_for_answer(runner, ids, "prompt")
+        common = turns.reusable(runner, state, ids)
         if reencoded:  # the image tokens match but their features changed: recompute them
             common = min(common, ids.index(runner.image_token_id))
         turn = turns.new_turn(
@@ -224,9 +224,9 @@ class LlavaEngine:
         runner = self.runner
         texts = [p["text"] for m in chat for p in m["content"] if p["type"] == "text"]
         for text in texts:
-            turns.refuse_placeholder(self.runner, text, "messages")
+            turns.refuse_placeholder(runner, text, "messages")
         question = "".join(p["text"] for p in chat[-1]["content"] if p["type"] == "text")
-        turns.check_prompt_tokens(self.runner, question, "messages")
+        turns.check_prompt_tokens(runner, question, "messages")
         wanted = turns.images_in(chat)
         if wanted != len(state.images.tokens):
             raise InvalidRequest(
@@ -234,8 +234,8 @@ class LlavaEngine:
                 field="messages",
             )
         ids = runner.chat.chat_ids(state.system_prompt, chat, state.images.tokens)
-        room = turns.room_for_answer(self.runner, ids, "messages")
-        common = turns.reusable(self.runner, state, ids)
+        room = turns.room_for_answer(runner, ids, "messages")
+        common = turns.reusable(runner, state, ids)
         turn = turns.new_turn(
             self.runner, state, question, params, ids, state.history, state.images, common, 0
         )

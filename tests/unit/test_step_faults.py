@@ -414,7 +414,7 @@ def test_a_long_conversation_among_short_ones_keeps_the_batch_within_its_budget(
     its tensors) stays within it, the long answer decodes alone (counted), and every answer is
     still the pipeline's."""
     from llava.engine.decoding import batch as batch_module
-    from llava.engine.decoding.decoder import batch_bytes
+    from llava.engine.decoding.batch import batch_bytes
     from llava.engine.model.cache import cache_tensors
 
     short_prompt, long_prompt = "What is this?", "Describe everything you see. " * 40

@@ -22,10 +22,9 @@ class DecodeBatch:
     def __init__(self, turns: list[Turn]) -> None:
         self.turns = list(turns)
         self._lengths = [t.cache.get_seq_length() for t in turns]
-        width = max(self._lengths)
+        width, room = padded_room(turns)
         self._pad = [width - n for n in self._lengths]
         self._steps = 0
-        room = width + max((t.max_new_tokens - len(t.generated) for t in turns), default=0) + 1
         self.cache = batch_cache(
             [
                 (
@@ -111,3 +110,23 @@ class DecodeBatch:
 def _row(tensor: torch.Tensor, row: int, start: int, stop: int) -> torch.Tensor:
     """Copy one row's positions out of a stacked cache tensor."""
     return tensor[row : row + 1, :, start:stop].clone()
+
+
+def padded_room(turns: list[Turn]) -> tuple[int, int]:
+    """Return the width a stack of turns pads every row to, and the positions it allocates per
+    row: that width and room for the longest answer still to come."""
+    width = max(t.cache.get_seq_length() for t in turns)
+    return width, width + max(t.max_new_tokens - len(t.generated) for t in turns) + 1
+
+
+def position_bytes(turn: Turn) -> int:
+    """Return the bytes one position of a turn's cache takes, keys and values, in every layer."""
+    return sum(
+        layer.keys.shape[1] * layer.keys.shape[3] * layer.keys.element_size() * 2
+        for layer in turn.cache.layers
+    )
+
+
+def batch_bytes(turns: list[Turn]) -> int:
+    """Return what stacking `turns` allocates (as `DecodeBatch` preallocates)."""
+    return len(turns) * padded_room(turns)[1] * position_bytes(turns[0])

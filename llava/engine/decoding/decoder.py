@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from llava.engine.decoding.batch import DecodeBatch
+from llava.engine.decoding.batch import DecodeBatch, padded_room, position_bytes
 from llava.engine.decoding.sampling import next_token, visible_text
 from llava.engine.model.cache import crop_to
 from llava.engine.state.session import Replica, Turn
@@ -77,10 +77,11 @@ class Decoder:
         if self.batch_budget is None or len(group) < 2:
             return group, []
         ordered = sorted(group, key=lambda item: item[1].cache.get_seq_length())
+        per_position = position_bytes(ordered[0][1])  # the same model's layers in every row
         stacked: list[tuple[int, Turn]] = []
         for item in ordered:
             rows = [*stacked, item]
-            if batch_bytes([t for _, t in rows]) > self.batch_budget:
+            if len(rows) * padded_room([t for _, t in rows])[1] * per_position > self.batch_budget:
                 break
             stacked = rows
         kept = {id(t) for _, t in stacked}
@@ -197,15 +198,3 @@ class Decoder:
         for replica_idx, batch in list(self._batches.items()):
             if any(t is turn for t in batch.turns):
                 self.split(replica_idx)
-
-
-def batch_bytes(turns: list[Turn]) -> int:
-    """Return what stacking `turns` allocates: every row padded to the longest, with room for
-    the longest answer still to come (as `DecodeBatch` preallocates)."""
-    width = max(t.cache.get_seq_length() for t in turns)
-    room = width + max(t.max_new_tokens - len(t.generated) for t in turns) + 1
-    per_position = sum(
-        layer.keys.shape[1] * layer.keys.shape[3] * layer.keys.element_size() * 2
-        for layer in turns[0].cache.layers
-    )
-    return len(turns) * room * per_position
