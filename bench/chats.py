@@ -31,7 +31,7 @@ import httpx
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from load import photo_uri, start  # noqa: E402
+from load import photo_uri, start, write_results  # noqa: E402
 
 from llava.api.headers import NEW_SESSION, NEW_SESSION_HEADER, SESSION_HEADER  # noqa: E402
 
@@ -219,10 +219,7 @@ def main(argv: list[str] | None = None) -> None:
             results["long_chat"] = long_chat(url, photo_uri(8, (640, 400)), args.long_turns, 8)
     finally:
         ts.stop()
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "chats.json").write_text(json.dumps(results, indent=2))
-    print(tables(results))
-    print(f"wrote {args.out / 'chats.json'}", file=sys.stderr)
+    write_results(args.out / "chats.json", results, tables(results))
 
 
 if __name__ == "__main__":

@@ -355,10 +355,15 @@ def main(argv: list[str] | None = None) -> None:
                 )
             finally:
                 ts.stop()
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "load.json").write_text(json.dumps(results, indent=2))
-    print(table(results))
-    print(f"wrote {args.out / 'load.json'}", file=sys.stderr)
+    write_results(args.out / "load.json", results, table(results))
+
+
+def write_results(path: Path, results: dict[str, Any], table_text: str) -> None:
+    """Save a run's figures as JSON and print its table (Markdown) and where they went."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2))
+    print(table_text)
+    print(f"wrote {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -5,12 +5,17 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
 import random
+import shutil
+import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from PIL import Image
 
 from llava.api.headers import SESSION_HEADER
@@ -92,6 +97,20 @@ class Reference:
                 out.append({"role": "assistant", "content": [{"type": "text", "text": answer}]})
         return out
 
+    def inputs(self, images: list[Image.Image], messages: list[dict[str, Any]]) -> dict[str, Any]:
+        """The model's inputs for a conversation: rendered with the chat template, through the
+        processor, on the model's device."""
+        text = self.processor.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+        pictures = {"images": [images]} if images else {}
+        inputs = self.processor(text=[text], return_tensors="pt", **pictures)
+        device = self.model.device
+        return {
+            k: v.to(device, self.model.dtype) if v.is_floating_point() else v.to(device)
+            for k, v in inputs.items()
+        }
+
     def answer(
         self,
         images: list[Image.Image],
@@ -99,22 +118,7 @@ class Reference:
         max_new_tokens: int,
     ) -> str:
         """Answer one conversation greedily, from scratch."""
-        import torch
-
-        text = self.processor.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
-        )
-        pictures = {"images": [images]} if images else {}
-        inputs = self.processor(text=[text], return_tensors="pt", **pictures)
-        device = self.model.device
-        inputs = {
-            k: v.to(device, self.model.dtype) if v.is_floating_point() else v.to(device)
-            for k, v in inputs.items()
-        }
-        with torch.inference_mode():
-            out = self.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
-        generated = out[0, inputs["input_ids"].shape[1] :]
-        return self.processor.tokenizer.decode(generated, skip_special_tokens=True)
+        return self.greedy(images, messages, max_new_tokens).text
 
     def greedy(
         self, images: list[Image.Image], messages: list[dict[str, Any]], max_new_tokens: int
@@ -123,16 +127,7 @@ class Reference:
         for devices where near-ties may break either way: bf16 on a GPU)."""
         import torch
 
-        text = self.processor.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
-        )
-        pictures = {"images": [images]} if images else {}
-        inputs = self.processor(text=[text], return_tensors="pt", **pictures)
-        device = self.model.device
-        inputs = {
-            k: v.to(device, self.model.dtype) if v.is_floating_point() else v.to(device)
-            for k, v in inputs.items()
-        }
+        inputs = self.inputs(images, messages)
         with torch.inference_mode():
             out = self.model.generate(
                 **inputs,
@@ -150,11 +145,12 @@ class Reference:
             generated.pop()
         return Greedy(generated, top, text)
 
-    def chat_answer(
-        self, messages: list[dict[str, Any]], images: dict[str, Image.Image], max_new_tokens: int
-    ) -> str:
-        """Answer an OpenAI-style chat as transformers would: each `image_url` part becomes an
-        image of the chat template, the picture `images[url]`, in the order they come."""
+    @staticmethod
+    def from_openai(
+        messages: list[dict[str, Any]], images: dict[str, Image.Image]
+    ) -> tuple[list[dict[str, Any]], list[Image.Image]]:
+        """Write an OpenAI-style chat in the chat template's format: each `image_url` part
+        becomes an image, the picture `images[url]`, in the order they come."""
         converted, pictures = [], []
         for message in messages:
             content = message.get("content") or ""
@@ -167,6 +163,13 @@ class Reference:
                 else:
                     out.append({"type": "text", "text": part["text"]})
             converted.append({"role": message["role"], "content": out})
+        return converted, pictures
+
+    def chat_answer(
+        self, messages: list[dict[str, Any]], images: dict[str, Image.Image], max_new_tokens: int
+    ) -> str:
+        """Answer an OpenAI-style chat as transformers would."""
+        converted, pictures = self.from_openai(messages, images)
         return self.answer(pictures, converted, max_new_tokens)
 
     def answers(
@@ -308,3 +311,24 @@ def _refuse() -> Any:
 
 
 unloadable = Unloadable()
+
+
+def chromium() -> str:
+    """Debian's Chromium, which the browser tests drive (browsers cannot be downloaded here)."""
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    if path is None:
+        pytest.fail("no chromium on PATH: apt-get install chromium (.ci/run does)")
+    return path
+
+
+def launch(app: Any) -> Iterator[str]:
+    """Serve a Gradio app on a free loopback port for a test; yield its URL, close it after."""
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    app.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True)
+    try:
+        yield f"http://127.0.0.1:{port}/"
+    finally:
+        app.close()

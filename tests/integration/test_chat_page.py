@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -21,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 from conftest import served
-from helpers import make_image
+from helpers import chromium, launch, make_image
 
 from llava.api.headers import SESSION_HEADER
 from llava.client import Session, SessionClient
@@ -33,13 +31,6 @@ sync_api = pytest.importorskip("playwright.sync_api", reason="the browser test n
 
 TTL_S = 4
 ARTIFACTS = Path(os.environ.get("LLAVA_TEST_ARTIFACTS", "test-artifacts"))
-
-
-def chromium() -> str:
-    path = shutil.which("chromium") or shutil.which("chromium-browser")
-    if path is None:
-        pytest.fail("no chromium on PATH: apt-get install chromium (.ci/run does)")
-    return path
 
 
 class RecordingClient(SessionClient):
@@ -88,17 +79,8 @@ def torchserve(model_store, tmp_path_factory) -> Iterator[TorchServe]:
 def page_url(torchserve: TorchServe) -> Iterator[str]:
     from llava.tools.chat_page.app import build_app
 
-    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     url = torchserve.url("/predictions/llava")
-    app = build_app(lambda: RecordingClient.for_url(url), url)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    app.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True)
-    try:
-        yield f"http://127.0.0.1:{port}/"
-    finally:
-        app.close()
+    yield from launch(build_app(lambda: RecordingClient.for_url(url), url))
 
 
 @pytest.fixture()

@@ -11,16 +11,13 @@ from __future__ import annotations
 import base64
 import copy
 import io
-import os
-import shutil
-import socket
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 import openai
 import pytest
-from helpers import Reference, make_image
+from helpers import Reference, chromium, launch, make_image
 from PIL import Image
 
 pytestmark = pytest.mark.integration
@@ -65,19 +62,11 @@ class Recorder(openai.OpenAI):
 
 @pytest.fixture(scope="module")
 def app_url(server: Any, monkeypatch_module: Any) -> Iterator[str]:
-    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     monkeypatch_module.setattr(openai, "OpenAI", Recorder)
     app = gradio.load_chat(
         server.url("/predictions/llava/1.0/v1/"), model="llava", token="-", file_types=["image"]
     )
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    app.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True)
-    try:
-        yield f"http://127.0.0.1:{port}/"
-    finally:
-        app.close()
+    yield from launch(app)
 
 
 @pytest.fixture(scope="module")
@@ -85,13 +74,6 @@ def monkeypatch_module() -> Iterator[pytest.MonkeyPatch]:
     patch = pytest.MonkeyPatch()
     yield patch
     patch.undo()
-
-
-def chromium() -> str:
-    path = shutil.which("chromium") or shutil.which("chromium-browser")
-    if path is None:
-        pytest.fail("no chromium on PATH: apt-get install chromium (.ci/run does)")
-    return path
 
 
 def pictures(messages: list[dict[str, Any]]) -> dict[str, Image.Image]:
@@ -110,17 +92,8 @@ def first_divergence(reference: Reference, a: list[Any], b: list[Any]) -> int:
     """Where the pipeline's own ids of two chats part (the oracle's tokenization)."""
     ids = []
     for chat in (a, b):
-        images = pictures(chat)
-        converted = [
-            {"role": m["role"], "content": [
-                {"type": "image"} if p["type"] == "image_url" else p for p in m["content"]
-            ] if isinstance(m["content"], list) else [{"type": "text", "text": m["content"]}]}
-            for m in chat
-        ]  # fmt: skip
-        text = reference.processor.apply_chat_template(
-            converted, add_generation_prompt=True, tokenize=False
-        )
-        ids.append(reference.processor(text=[text], images=[list(images.values())])["input_ids"][0])
+        converted, images = reference.from_openai(chat, pictures(chat))
+        ids.append(reference.inputs(images, converted)["input_ids"][0])
     return next(i for i, (x, y) in enumerate(zip(*ids, strict=False)) if x != y)
 
 
