@@ -11,7 +11,9 @@ Turn 1 of the two session strategies includes opening the session.
 
 from __future__ import annotations
 
+import base64
 import json
+import random
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -22,6 +24,24 @@ from llava.api.headers import SESSION_HEADER
 from llava.core.params import GenerationParams
 
 STRATEGIES = ("stateless", "pixels", "session")
+TRAINED = "shapes"  # the model that answers truly: its follow-ups are what a real model's are
+# A conversation about a drawn scene, in the words the trained model knows.
+SCENE_PROMPTS = [
+    "What colour is the circle?",
+    "And the other one?",
+    "How many shapes are there?",
+    "Which shape is on the left?",
+    "Is there a triangle?",
+    "What shape is blue?",
+]
+
+
+def scene_uri(seed: int, fmt: str = "PNG") -> str:
+    """Return a drawn scene (what the trained model sees truly) as a data: URI."""
+    from llava.tools.tiny.scenes import draw_scene
+
+    data = draw_scene(random.Random(seed)).encode(fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(data).decode()
 
 
 @dataclass

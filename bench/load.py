@@ -1,6 +1,6 @@
 """Load figures through TorchServe: stream gaps while sessions open, and open-loop capacity.
 
-    python bench/load.py                       # llava15: gaps, then capacity (tens of minutes)
+    python bench/load.py                       # shapes: gaps, then capacity (tens of minutes)
     python bench/load.py --only gaps           # a few minutes
     python bench/load.py --rates 0.1 0.2 --conversations 8   # a quicker capacity sweep
 
@@ -37,7 +37,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +48,14 @@ import httpx
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from drivers import generate_body, open_body, query_body  # noqa: E402
+from drivers import (  # noqa: E402
+    SCENE_PROMPTS,
+    TRAINED,
+    generate_body,
+    open_body,
+    query_body,
+    scene_uri,
+)
 
 from llava.api.headers import SESSION_HEADER  # noqa: E402
 
@@ -70,6 +79,25 @@ def photo_uri(seed: int, size: tuple[int, int] = (1024, 768)) -> str:
     return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
+@dataclass(frozen=True)
+class Workload:
+    """What a conversation sends: its questions, and its picture for a seed."""
+
+    prompts: list[str]
+    picture: Callable[[int], str]
+
+
+def workload(model: str) -> Workload:
+    """Scenes and scene questions for the trained model (true answers, so follow-ups reuse the
+    cache as a real model's do); noisy photos otherwise."""
+    if model == TRAINED:
+        return Workload(SCENE_PROMPTS[:4], lambda seed: scene_uri(seed, "JPEG"))
+    return PHOTOS
+
+
+PHOTOS = Workload(PROMPTS, photo_uri)
+
+
 def start(store: Path, workdir: Path, **env: str) -> Any:
     from llava.fronts.torchserve.launcher import TorchServe
 
@@ -80,8 +108,9 @@ def start(store: Path, workdir: Path, **env: str) -> Any:
 class Client:
     """Streamed session-API calls over one pooled HTTP client."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, work: Workload = PHOTOS) -> None:
         self.url = url
+        self.work = work
         self.http = httpx.Client(timeout=600, limits=httpx.Limits(max_connections=256))
 
     def open(self, image: str) -> str:
@@ -206,12 +235,12 @@ def gap_runs(client: Client, opens: int, runs: int) -> dict[str, Any]:
 
 def conversation(client: Client, strategy: str, seed: int, think_s: float) -> dict[str, Any]:
     """Open (unless stateless), ask 4 questions with think time, close; follow-up TTFTs."""
-    image = photo_uri(seed)
+    image = client.work.picture(seed)
     sid = client.open(image) if strategy != "stateless" else None
     history: list[tuple[str, str]] = []
     follow_ups, errors = [], 0
     try:
-        for turn, prompt in enumerate(PROMPTS):
+        for turn, prompt in enumerate(client.work.prompts):
             if turn:
                 time.sleep(think_s)
             if strategy == "stateless":
@@ -307,7 +336,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", default="llava15")
+    parser.add_argument("--model", default=TRAINED)
     parser.add_argument("--only", choices=["gaps", "capacity"])
     parser.add_argument("--opens", type=int, default=4)
     parser.add_argument("--gap-runs", type=int, default=3, help="gap runs per server (worst kept)")
@@ -338,7 +367,7 @@ def main(argv: list[str] | None = None) -> None:
         for name, budget in (("calibrated (default)", "0"), ("unbounded", "1000000")):
             ts = start(work / "store", work / f"gaps-{budget}", LLAVA_STEP_TOKEN_BUDGET=budget)
             try:
-                client = Client(ts.url("/predictions/llava"))
+                client = Client(ts.url("/predictions/llava"), workload(args.model))
                 results["gaps"][name] = gap_runs(client, args.opens, args.gap_runs)
                 for run in results["gaps"][name]["runs"]:
                     print(f"gaps, budget {name}: {run}", file=sys.stderr)
@@ -349,7 +378,7 @@ def main(argv: list[str] | None = None) -> None:
         for strategy, mode in (("session", "kv"), ("pixels", "pixels"), ("stateless", "kv")):
             ts = start(work / "store", work / f"cap-{strategy}", LLAVA_CACHE_MODE=mode)
             try:
-                client = Client(ts.url("/predictions/llava"))
+                client = Client(ts.url("/predictions/llava"), workload(args.model))
                 results["capacity"][strategy] = capacity(
                     client, strategy, args.rates, args.conversations, args.think_s, args.slo_ms
                 )

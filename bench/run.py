@@ -1,7 +1,7 @@
 """Benchmark the kit's session cache against the reference design and stateless serving.
 
     python bench/run.py                      # both models, in-process and through TorchServe
-    python bench/run.py --models tiny --envs inprocess --repeats 1   # a quick look
+    python bench/run.py --models shapes --envs inprocess --repeats 1   # a quick look
 
 For turns 1..6 of one conversation it measures the time to first token and the total latency of
 three strategies (stateless, pixels = the reference design, session = this kit) plus the bytes
@@ -29,7 +29,14 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from drivers import STRATEGIES, InProcess, OverHttp  # noqa: E402
+from drivers import (  # noqa: E402
+    SCENE_PROMPTS,
+    STRATEGIES,
+    TRAINED,
+    InProcess,
+    OverHttp,
+    scene_uri,
+)
 
 PROMPTS = [
     "What is shown in this picture?",
@@ -41,6 +48,15 @@ PROMPTS = [
 ]
 CONCURRENCY = (1, 4, 8)
 IMAGE_SIZE = {"tiny": 64}  # the image side in pixels the benchmark sends (others: 336)
+
+
+def workload(model: str) -> tuple[list[str], Any]:
+    """Return the conversation's prompts and the picture for a seed: scenes for the trained
+    model (true answers, so follow-ups reuse the cache as a real model's do), noise otherwise."""
+    if model == TRAINED:
+        return SCENE_PROMPTS, scene_uri
+    size = IMAGE_SIZE.get(model, 336)
+    return PROMPTS, lambda seed: image_uri(seed, size)
 
 
 def image_uri(seed: int, size: int) -> str:
@@ -79,12 +95,12 @@ def run_env(
     concurrency: tuple[int, ...] = CONCURRENCY,
 ) -> dict[str, Any]:
     """Measure conversations and concurrency with one driver; return the figures."""
-    size = IMAGE_SIZE.get(model, 336)
+    prompts, picture = workload(model)
     out: dict[str, Any] = {"turns": {}, "load": []}
-    driver.conversation("session", image_uri(99, size), PROMPTS[:2], max_new_tokens)  # warm up
+    driver.conversation("session", picture(99), prompts[:2], max_new_tokens)  # warm up
     for strategy in STRATEGIES:
         runs = [
-            driver.conversation(strategy, image_uri(rep, size), PROMPTS, max_new_tokens)
+            driver.conversation(strategy, picture(rep), prompts, max_new_tokens)
             for rep in range(repeats)
         ]
         out["turns"][strategy] = median_turns(runs)
@@ -93,8 +109,8 @@ def run_env(
         for concurrent in (False, True):
             walls, tokens, lat = [], [], []
             for rep in range(repeats):
-                uris = [image_uri(1000 + 10 * rep + i, size) for i in range(n)]
-                result = driver.load(uris, PROMPTS[0], 32, concurrent)
+                uris = [picture(1000 + 10 * rep + i) for i in range(n)]
+                result = driver.load(uris, prompts[0], 32, concurrent)
                 walls.append(result.wall_s)
                 tokens.append(result.tokens)
                 lat.extend(result.latencies_ms)
@@ -147,7 +163,7 @@ def table(name: str, figures: dict[str, Any]) -> str:
         "ms | floor ms | bytes sent (stateless / pixels / session) |",
         "|---:|---:|---:|---:|---:|---|",
     ]
-    for i in range(len(PROMPTS)):
+    for i in range(len(turns["session"])):
         st, px, se = (turns[s][i] for s in STRATEGIES)
         floor = f"{se['floor_ms']:.1f}" if se.get("floor_ms") else "-"
         lines.append(
@@ -235,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--models", nargs="+", default=["tiny", "llava15"])
+    parser.add_argument("--models", nargs="+", default=[TRAINED, "llava15"])
     parser.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY))
     parser.add_argument(
         "--envs",
@@ -291,7 +307,7 @@ def main(argv: list[str] | None = None) -> None:
         "python": platform.python_version(),
         "repeats": args.repeats,
         "max_new_tokens": args.max_new_tokens,
-        "prompts": PROMPTS,
+        "prompts": {model: workload(model)[0] for model in args.models},
     }
     (args.out / "bench.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     chart(results, args.out / "bench.png")

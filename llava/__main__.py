@@ -36,6 +36,20 @@ def _local_endpoint(args: argparse.Namespace) -> None:
     )
 
 
+def _serve_ray(args: argparse.Namespace) -> None:
+    from llava.fronts.ray.app import serve_forever
+    from llava.tools.archive import resolve_model
+
+    serve_forever(
+        str(resolve_model(args.model, args.cache_dir)),
+        model_name=args.name,
+        replicas=args.replicas,
+        host=args.host,
+        port=args.port,
+        address=args.address,
+    )
+
+
 def _deploy(args: argparse.Namespace) -> None:
     from llava.tools.deploy import run_deploy
 
@@ -83,6 +97,17 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--model-store", default="model-store")
     local.add_argument("--model", default="llava", help="model name in the model store")
     local.set_defaults(run=_local_endpoint)
+
+    ray = commands.add_parser(
+        "serve-ray", help="serve with Ray Serve: one replica per GPU, sessions pinned to theirs"
+    )
+    add_model_arguments(ray)
+    ray.add_argument("--name", default="llava", help="the model's name in the API")
+    ray.add_argument("--replicas", type=int, default=0, help="default: one per GPU, 1 on CPU")
+    ray.add_argument("--host", default="127.0.0.1")
+    ray.add_argument("--port", type=int, default=8080)
+    ray.add_argument("--address", default=None, help="a running Ray cluster (default: a new one)")
+    ray.set_defaults(run=_serve_ray)
 
     chat = commands.add_parser(
         "chat", help="a chat page (Gradio) over an endpoint: needs the ui extra"

@@ -85,4 +85,5 @@ def completion_usage(usage: Mapping[str, Any]) -> dict[str, Any]:
         "prompt_tokens_details": {"cached_tokens": int(usage["cached_tokens"])},
         "ttft_ms": usage.get("ttft_ms"),
         "session_tier": usage.get("session_tier"),
+        **({"replica": usage["replica"]} if "replica" in usage else {}),
     }

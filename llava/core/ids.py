@@ -15,6 +15,14 @@ def is_valid_session_id(sid: str) -> bool:
     return len(sid) <= SESSION_ID_MAX_LEN and SESSION_ID_RE.fullmatch(sid) is not None
 
 
-def new_session_id() -> str:
-    """Make an unguessable id (160 random bits) that fits SageMaker's session id pattern."""
-    return secrets.token_hex(20)
+def new_session_id(prefix: str = "") -> str:
+    """Make an unguessable id (160 random bits) that fits SageMaker's session id pattern;
+    `prefix` (letters and digits) starts it, before a hyphen, to say where the session lives."""
+    token = secrets.token_hex(20)
+    return f"{prefix}-{token}" if prefix else token
+
+
+def id_prefix(sid: str) -> str | None:
+    """Return what a prefixed session id says about where it lives, or None if it has none."""
+    head, hyphen, _ = sid.partition("-")
+    return head if hyphen else None

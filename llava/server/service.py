@@ -89,6 +89,7 @@ class SessionService(Generic[StateT, TurnT]):
         self.images = images
         self.limits = limits
         self.snapshots = snapshots
+        self.usage_extra: dict[str, Any] = {}  # a front's own figures, e.g. which replica
         self._images = BackgroundImages(
             images, engine.image_preparer(), threads=fetch_threads, processes=image_processes
         )
@@ -320,17 +321,18 @@ class SessionService(Generic[StateT, TurnT]):
 
     def _finish_answer(self, request_id: str, work: Answering) -> Reply:
         del self._work[request_id]
+        more = dict(self.usage_extra)
         try:
             self.engine.finish_turn(work.turn)
             if not work.transient:
                 self._keep(work.session)
             elif self.chats.adopt(work):
-                return work.finished()
+                return work.finished(**more)
         finally:
             self._end_turn(work)
-        if self.snapshots is None or work.transient:
-            return work.finished()
-        return work.finished(snapshot_bytes=self.snapshots.size_of(work.session.id))
+        if self.snapshots is not None and not work.transient:
+            more["snapshot_bytes"] = self.snapshots.size_of(work.session.id)
+        return work.finished(**more)
 
     def _keep(self, session: Session) -> None:
         """Queue a snapshot of a session at its last finished turn (written off this thread)."""

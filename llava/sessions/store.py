@@ -66,6 +66,7 @@ class SessionStore:
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         journal: SessionJournal | None = None,
+        id_prefix: str = "",
     ) -> None:
         if ttl_s <= 0 or max_sessions <= 0:
             raise ValueError("ttl_s and max_sessions must be positive")
@@ -78,6 +79,7 @@ class SessionStore:
         self._clock = clock
         self._wall_clock = wall_clock
         self._journal = journal
+        self._id_prefix = id_prefix  # where this store's instance is, for a router to read
         self._lock = threading.RLock()
         self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
         self._slots: set[str] = set()
@@ -105,7 +107,7 @@ class SessionStore:
                     "sessions you no longer need",
                     retry_after_s=max(1, int(min(self.ttl_s, 30))),
                 )
-            slot = Slot(new_session_id())
+            slot = Slot(new_session_id(self._id_prefix))
             self._slots.add(slot.id)
             return slot
 

@@ -1,8 +1,9 @@
 """Build the TorchServe model archive: resolve the weights, then run torch-model-archiver.
 
-The model source is resolved at archive time, never at worker start: `tiny` (the embedded
-random-weight checkpoint, generated offline), a local checkpoint directory, or a Hugging Face
-id such as `llava-hf/llava-1.5-7b-hf` (downloaded with huggingface_hub, with a progress bar).
+The model source is resolved at archive time, never at worker start: `shapes` (the default: the
+tiny LLaVA trained here and committed under `models/shapes`), a random-weight profile such as
+`tiny` (generated offline), a local checkpoint directory, or a Hugging Face id such as
+`llava-hf/llava-1.5-7b-hf` (downloaded with huggingface_hub, with a progress bar).
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ log = logging.getLogger(__name__)
 ROOT = CHECKOUT
 HANDLER = ROOT / "handler" / "llava_handler.py"
 MODEL_CONFIG = ROOT / "handler" / "model-config.yaml"
-BUILTIN_PROFILES = tuple(PROFILES)
+# Trained checkpoints shipped in the repository, by name; the other profiles are random weights.
+TRAINED = {"shapes": ROOT / "models" / "shapes"}
+BUILTIN_PROFILES = tuple(name for name in PROFILES if name not in TRAINED)
 # Only what from_pretrained needs: skips the .bin duplicates and training files many repos hold.
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "tokenizer*"]
 
@@ -33,9 +36,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the `--model` and `--cache-dir` options every archive-building command takes."""
     parser.add_argument(
         "--model",
-        default="tiny",
-        help="tiny | llava15 (random weights) | a checkpoint directory | a Hugging Face id "
-        "such as llava-hf/llava-1.5-7b-hf (default: tiny)",
+        default="shapes",
+        help="shapes (trained here, sees drawn shapes) | tiny | llava15 (random weights) | a "
+        "checkpoint directory | a Hugging Face id such as llava-hf/llava-1.5-7b-hf "
+        "(default: shapes)",
     )
     parser.add_argument("--cache-dir", default="build/models", help="where checkpoints go")
 
@@ -43,6 +47,13 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 def resolve_model(source: str, cache_dir: str | Path = "build/models") -> Path:
     """Return a local checkpoint directory for `source`, building or downloading it if needed."""
     cache_dir = Path(cache_dir)
+    if source in TRAINED:
+        if not (TRAINED[source] / "config.json").is_file():
+            raise SystemExit(
+                f"{TRAINED[source]} holds no checkpoint: re-train it with "
+                "`python -m llava.tools.tiny.train`"
+            )
+        return TRAINED[source]
     if source in BUILTIN_PROFILES:
         from llava.tools.tiny import build_checkpoint
 
@@ -59,7 +70,8 @@ def resolve_model(source: str, cache_dir: str | Path = "build/models") -> Path:
     if source.count("/") != 1 or source.startswith((".", "/")):
         raise SystemExit(
             f"model source {source!r} is neither a directory nor a Hugging Face id "
-            "(owner/name, e.g. llava-hf/llava-1.5-7b-hf) nor one of " + ", ".join(BUILTIN_PROFILES)
+            "(owner/name, e.g. llava-hf/llava-1.5-7b-hf) nor one of "
+            + ", ".join([*TRAINED, *BUILTIN_PROFILES])
         )
     from huggingface_hub import snapshot_download
 

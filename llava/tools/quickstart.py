@@ -6,6 +6,10 @@ import argparse
 
 from llava.core.paths import SAMPLE_IMAGE
 
+# What the printed commands ask about examples/sample.png (a red circle left of a blue square).
+QUESTION = "What colour is the circle?"
+FOLLOW_UP = "And the other one?"
+
 TEMPLATE = """
 LLaVA sessions on http://{host}:{port} (model '{name}'). In another terminal:
 
@@ -14,13 +18,15 @@ LLaVA sessions on http://{host}:{port} (model '{name}'). In another terminal:
       -d "{{\\"type\\":\\"open_session\\",\\"image\\":\\"data:image/png;base64,$(base64 < {sample} | tr -d "\\n")\\"}}" \\
       | python3 -c 'import json,sys; print(json.load(sys.stdin)["session_id"])'); echo $SID
   curl -s $URL -H 'Content-Type: application/json' -H "X-Amzn-SageMaker-Session-Id: $SID" \\
-      -d '{{"type":"query","prompt":"What is in the picture?","max_new_tokens":32}}'; echo
+      -d '{{"type":"query","prompt":"{question}","max_new_tokens":32}}'; echo
   curl -sN $URL -H 'Content-Type: application/json' -H "X-Amzn-SageMaker-Session-Id: $SID" \\
-      -d '{{"type":"query","prompt":"And the colors?","max_new_tokens":32,"stream":true}}'
+      -d '{{"type":"query","prompt":"{follow_up}","max_new_tokens":32,"stream":true}}'
   curl -si $URL -H 'Content-Type: application/json' -H "X-Amzn-SageMaker-Session-Id: $SID" \\
       -d '{{"type":"close_session"}}'
 
-The default model has random weights: its answers are noise. Serve real weights with
+The default model ('shapes', trained here in minutes) knows one thing: pictures of circles,
+squares and triangles in eight colours. Ask it about colours, shapes, counts and positions, or
+serve a real LLaVA with
   make serve MODEL=llava-hf/llava-1.5-7b-hf
 Stop the server with Ctrl-C (or `make stop`).
 """
@@ -33,7 +39,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080)
     args = parser.parse_args(argv)
-    print(TEMPLATE.format(host=args.host, port=args.port, name=args.name, sample=SAMPLE_IMAGE))
+    print(
+        TEMPLATE.format(
+            host=args.host,
+            port=args.port,
+            name=args.name,
+            sample=SAMPLE_IMAGE,
+            question=QUESTION,
+            follow_up=FOLLOW_UP,
+        )
+    )
 
 
 if __name__ == "__main__":

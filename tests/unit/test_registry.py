@@ -9,7 +9,7 @@ import pytest
 
 from llava.core.errors import SessionClosed, SessionLost, SessionNotFound
 from llava.core.ids import new_session_id
-from llava.fronts.torchserve.handler import open_registry
+from llava.server.assembly import open_registry
 from llava.sessions.registry import (
     ENV_DIR,
     LOST_RETENTION_S,
@@ -235,18 +235,14 @@ def test_concurrent_events_keep_the_file_parseable(tmp_path, wall) -> None:
 # -- the handler's wiring -------------------------------------------------------------------
 
 
-class Context:
-    model_name = "llava"
-
-
 def test_open_registry_uses_the_model_name_and_the_env_dir(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv(ENV_DIR, str(tmp_path))
-    reg, lost = open_registry(Context())
+    reg, lost = open_registry("llava")
     assert lost == [] and reg is not None and reg.path.parent == tmp_path
     sid = new_session_id()
     reg.opened(sid, 4_000_000_000)
     reg.close()
-    reg2, lost = open_registry(Context())
+    reg2, lost = open_registry("llava")
     assert lost == [sid]
     reg2.close()
 
@@ -255,4 +251,4 @@ def test_open_registry_without_a_usable_dir_gives_no_registry(tmp_path, monkeypa
     blocker = tmp_path / "file"
     blocker.write_text("")
     monkeypatch.setenv(ENV_DIR, str(blocker / "sub"))
-    assert open_registry(Context()) == (None, [])
+    assert open_registry("llava") == (None, [])

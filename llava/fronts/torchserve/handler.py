@@ -18,7 +18,6 @@ answer 400 `session_lost`.
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 from http import HTTPStatus
@@ -46,58 +45,6 @@ def _phrase(status: int) -> str:
         return "Client Closed Request" if status == 499 else "Error"
 
 
-def open_registry(context: Any) -> tuple[Any, list[str]]:
-    """Open this model's session registry; return it and the ids a dead predecessor lost.
-
-    Returns `(None, [])` when the registry cannot be used: sessions then work without it.
-    """
-    from llava.sessions.registry import SessionRegistry
-
-    name = str(getattr(context, "model_name", None) or "llava")
-    try:
-        registry = SessionRegistry.for_model(name)
-        lost = registry.recover()
-    except Exception:  # the registry is a diagnosis aid: never let it stop the worker
-        log.warning(
-            "session registry unavailable; lost sessions will read as unknown", exc_info=True
-        )
-        return None, []
-    if lost:
-        log.info("%d sessions of an earlier worker are lost; they answer session_lost", len(lost))
-    return (registry if registry.enabled else None), lost
-
-
-def open_snapshots(config: ServerConfig, context: Any) -> Any:
-    """Open this model's snapshot directory, or None when snapshots are off or impossible."""
-    from llava.sessions.snapshots import SnapshotDir
-
-    if config.snapshot_dir == "off":
-        return None
-    name = str(getattr(context, "model_name", None) or "llava")
-    try:
-        return SnapshotDir.for_model(config.snapshot_dir, name, config.snapshot_budget_bytes)
-    except OSError as exc:  # sessions still work; only a restart loses them
-        log.warning(
-            "session snapshots disabled: cannot use %r (%s); set snapshot_dir to a writable "
-            "local directory",
-            config.snapshot_dir,
-            exc,
-        )
-        return None
-
-
-def freeze_startup_objects() -> None:
-    """Keep what startup built out of every later garbage collection.
-
-    torch, transformers and the model leave some 360,000 objects that live as long as the
-    worker; a full collection walks them all, about 125 ms on 2 cores, during which every
-    stream waits. Frozen, they are never walked again (as CPython's `gc.freeze` documents for
-    long-running servers), and a full collection walks only what sessions allocated since.
-    """
-    gc.collect()  # garbage left by startup is freed, not kept for ever
-    gc.freeze()
-
-
 class SessionHandler:
     """Load the engine once per worker, then serve every step of every request."""
 
@@ -113,19 +60,7 @@ class SessionHandler:
 
     def initialize(self, context: Any) -> None:
         """Build config, engine, session store and image loader from the model archive."""
-        from llava.engine import (  # torch is imported here only
-            LlavaEngine,
-            SessionState,
-            Turn,
-            set_torch_threads,
-        )
-        from llava.engine.model.budget import derive_budgets
-        from llava.images import ImageLoader, ImagePolicy
-        from llava.server.contract import Engine
-        from llava.sessions.memory import TieredMemory
-        from llava.sessions.session import LOST, Session
-        from llava.sessions.snapshots import recover
-        from llava.sessions.store import SessionStore
+        from llava.server.assembly import assemble, freeze_startup_objects  # imports torch
 
         model_dir = Path(context.system_properties.get("model_dir"))
         section = (getattr(context, "model_yaml_config", None) or {}).get("handler")
@@ -145,60 +80,14 @@ class SessionHandler:
                 config.max_sessions,
                 in_flight,
             )
-        set_torch_threads(config)
-        llava_engine = LlavaEngine.load(model_dir, config)
-        engine: Engine[SessionState, Turn] = llava_engine  # mypy checks the contract here
-        budgets = derive_budgets(
-            [r.device for r in llava_engine.runner.replicas],
-            config.device_budget_bytes,
-            config.host_budget_bytes,
+        instance = assemble(
+            model_dir, config, model_name=str(getattr(context, "model_name", None) or "llava")
         )
-        self.memory = TieredMemory(llava_engine, budgets.device, budgets.host)
-        llava_engine.limit_batches(budgets.device)  # the batch has the budget's other half
-        self._decoder = llava_engine.runner.decoder
-        registry, left_open = open_registry(context)
-        # Snapshots need the registry: it alone tells which sessions an earlier worker left open.
-        snapshots = open_snapshots(config, context) if registry is not None else None
-
-        def release(session: Session, reason: str) -> None:
-            engine.release(session.state)
-            if snapshots is not None:
-                snapshots.remove(session.id)
-
-        store = SessionStore(
-            ttl_s=config.session_ttl_s,
-            max_sessions=config.max_sessions,
-            memory=self.memory,
-            release=release,
-            journal=registry,
+        self.service, self.memory, self._decoder = (
+            instance.service,
+            instance.memory,
+            instance.decoder,
         )
-        if snapshots is not None:
-            recover(snapshots, engine, store, left_open)
-        else:
-            store.load_tombstones(left_open, LOST)
-        store.start_reaper(config.reaper_interval_s)
-        images = ImageLoader(
-            ImagePolicy(
-                allow_http=config.image_allow_http,
-                allow_hosts=config.image_allow_hosts,
-                s3_allow=config.image_s3_allow,
-                total_timeout_s=config.image_timeout_s,
-                max_bytes=config.image_max_bytes,
-                max_pixels=config.image_max_pixels,
-            )
-        )
-        self.service = SessionService(
-            engine,
-            store,
-            images,
-            limits=config.limits,
-            fetch_threads=config.image_fetch_threads,
-            image_processes=config.image_processes,
-            snapshots=snapshots,
-            model_name=str(getattr(context, "model_name", None) or "llava"),
-            whole_answer_s=config.whole_answer_s or None,
-        )
-        self.service.start_image_processes()
         freeze_startup_objects()
         log.info("llava handler ready: %s", config)
 

@@ -6,7 +6,7 @@ import argparse
 import json
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,17 +39,29 @@ def build_checkpoint(
     The weights are made on ``device`` in ``dtype`` (a 7B profile: "cuda", "bfloat16", in
     seconds rather than the minutes and 28 GB a float32 build on the CPU takes)."""
     spec = PROFILES[profile]
+    return write_staged(
+        out_dir,
+        lambda staging: _write_checkpoint(
+            staging, spec, profile=profile, seed=seed, device=device, dtype=dtype
+        ),
+        overwrite=overwrite,
+    )
+
+
+def write_staged(
+    out_dir: str | Path, write: Callable[[Path], None], *, overwrite: bool = False
+) -> Path:
+    """Run ``write`` on a staging directory beside ``out_dir`` and swap it in when it succeeds,
+    so a failed build never leaves half a checkpoint where a loader would find it."""
     out = Path(out_dir)
     if out.exists() and not overwrite and any(out.iterdir()):
         raise FileExistsError(f"{out} is not empty; pass overwrite=True to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and swap in at the end, so a failed build never leaves half a
-    # checkpoint where a loader would find it.
     staging = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     try:
-        _write_checkpoint(staging, spec, profile=profile, seed=seed, device=device, dtype=dtype)
+        write(staging)
         if out.exists():
             shutil.rmtree(out)
         staging.rename(out)
@@ -67,8 +79,8 @@ def _write_checkpoint(
     from transformers import GenerationConfig
 
     tokenizer = train_qwen_tokenizer() if spec.text == "qwen2" else train_llama_tokenizer()
-    config = _model_config(spec, tokenizer)
-    model_class, processor = _family_parts(spec, tokenizer)
+    config = model_config(spec, tokenizer)
+    model_class, processor = family_parts(spec, tokenizer)
     # Fork the RNG so seeding here leaves the caller's random stream untouched.
     on = torch.device(device)
     with torch.random.fork_rng(devices=[on] if on.type == "cuda" else []), on:
@@ -93,7 +105,7 @@ def _write_checkpoint(
     (out / "README.md").write_text(_readme(spec, profile=profile, seed=seed, params=params))
 
 
-def _model_config(spec: TinySpec, tokenizer: Any) -> Any:
+def model_config(spec: TinySpec, tokenizer: Any) -> Any:
     """Return the model's config: the family's config class around a text and a vision config."""
     from transformers import (
         CLIPVisionConfig,
@@ -149,7 +161,7 @@ def _model_config(spec: TinySpec, tokenizer: Any) -> Any:
     return LlavaConfig(**common, image_seq_length=spec.num_image_tokens)
 
 
-def _family_parts(spec: TinySpec, tokenizer: Any) -> tuple[Any, Any]:
+def family_parts(spec: TinySpec, tokenizer: Any) -> tuple[Any, Any]:
     """Return the model class and the processor (torchvision-free image processors)."""
     import transformers
 
@@ -187,6 +199,10 @@ def _family_parts(spec: TinySpec, tokenizer: Any) -> tuple[Any, Any]:
         )
     if siglip:
         image_processor = transformers.SiglipImageProcessorPil(size=square)
+    elif spec.pad_to_square:
+        image_processor = transformers.LlavaImageProcessorPil(
+            size={"shortest_edge": size}, crop_size=square, do_pad=True
+        )
     else:
         image_processor = transformers.CLIPImageProcessorPil(
             size={"shortest_edge": size}, crop_size=square

@@ -31,6 +31,9 @@ class TinySpec:
     # Random weights at the usual 0.02 give near-flat logits, so greedy decoding repeats one
     # token whatever the input; a wide init makes outputs depend on the image and prompt.
     initializer_range: float = 0.2
+    # llava-1.5's own preprocessing: pad to a square in the mean colour, then resize (the CLIP
+    # processor's centre crop would cut off the sides of a wide picture).
+    pad_to_square: bool = False
 
     @property
     def feature_strategy(self) -> str:
@@ -76,6 +79,25 @@ PROFILES: dict[str, TinySpec] = {
         max_position_embeddings=4096,
     ),
 }
+
+# The trained default (`python -m llava.tools.tiny.train`): llava-1.5's architecture, sized so it
+# learns the scenes in `scenes.py` in minutes on two CPU cores.
+PROFILES["shapes"] = replace(
+    PROFILES["tiny"],
+    image_size=64,
+    patch_size=8,
+    vision_hidden=128,
+    vision_layers=3,
+    vision_heads=4,
+    vision_intermediate=384,
+    text_hidden=192,
+    text_layers=4,
+    text_heads=6,
+    text_kv_heads=6,
+    text_intermediate=512,
+    initializer_range=0.02,
+    pad_to_square=True,
+)
 
 # tiny's shapes with Qwen2 text (byte-level BPE, ChatML) behind a SigLIP tower, as
 # llava-interleave-qwen.

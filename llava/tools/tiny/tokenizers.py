@@ -46,8 +46,8 @@ only what you can see: objects, people, animals, colors, text, shapes and where 
 """
 
 
-def train_llama_tokenizer() -> Any:
-    """Train a Llama-style byte-fallback BPE tokenizer on ``CORPUS``."""
+def train_llama_tokenizer(corpus: str = CORPUS) -> Any:
+    """Train a Llama-style byte-fallback BPE tokenizer on ``corpus``."""
     from tokenizers import AddedToken, Tokenizer, pre_tokenizers
     from tokenizers.models import BPE
     from tokenizers.trainers import BpeTrainer
@@ -58,7 +58,7 @@ def train_llama_tokenizer() -> Any:
     # Split on spaces while learning so merges stay inside words, as SentencePiece's do.
     learner.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always", split=True)
     trainer = BpeTrainer(vocab_size=BPE_VOCAB_SIZE - len(reserved), show_progress=False)
-    learner.train_from_iterator(CORPUS.split("\n"), trainer)
+    learner.train_from_iterator(corpus.split("\n"), trainer)
     learned = sorted(learner.get_vocab().items(), key=lambda item: item[1])
     vocab = {token: index for index, token in enumerate(reserved)}
     vocab.update((token, len(reserved) + index) for index, (token, _) in enumerate(learned))

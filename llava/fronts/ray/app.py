@@ -1,0 +1,92 @@
+"""The Ray Serve application: an ingress and one replica per GPU behind the affinity router.
+
+A Serve config points at `build` (`import_path: llava.fronts.ray.app:build`, as AWS's Ray Serve
+container and KubeRay's RayService read it); `python -m llava serve-ray` runs it locally.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+# Every replica process: a replica's step loop is one thread doing the work of the whole device,
+# so Ray's default of one CPU per actor would serialise nothing; its torch threads come from the
+# kit's own setting (`torch_threads`).
+REPLICA_CPUS = 1.0
+
+
+def default_replicas(gpus: float) -> int:
+    """One replica per GPU, or one on a machine without."""
+    return max(1, int(gpus))
+
+
+def build(args: Mapping[str, Any]) -> Any:
+    """Return the application: `model_dir` (required), `model_name`, `replicas`, `num_gpus`
+    (per replica), `settings` (ServerConfig fields, as in model-config.yaml)."""
+    import ray
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from llava.fronts.ray.ingress import Ingress
+    from llava.fronts.ray.replica import LlavaReplica
+    from llava.fronts.ray.router import SessionAffinityRouter
+
+    gpus_per_replica = float(args.get("num_gpus", 1 if _cluster_gpus(ray) else 0))
+    replicas = int(args.get("replicas") or default_replicas(_cluster_gpus(ray)))
+    replica = serve.deployment(
+        LlavaReplica,
+        name="LlavaReplica",
+        num_replicas=replicas,
+        # The step loop batches everything in flight: never let Ray hold requests back.
+        max_ongoing_requests=4096,
+        ray_actor_options={"num_gpus": gpus_per_replica, "num_cpus": REPLICA_CPUS},
+        request_router_config=RequestRouterConfig(
+            request_router_class=SessionAffinityRouter,
+            request_routing_stats_period_s=1,
+            request_routing_stats_timeout_s=5,
+        ),
+        health_check_period_s=5,
+        graceful_shutdown_timeout_s=30,
+    ).bind(str(args["model_dir"]), str(args.get("model_name", "llava")), args.get("settings"))
+    ingress = serve.deployment(
+        Ingress, name="Ingress", max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0}
+    )
+    return ingress.bind(replica)
+
+
+def _cluster_gpus(ray: Any) -> float:
+    """Return the GPUs the connected Ray cluster has (0 before `ray.init`)."""
+    return float(ray.cluster_resources().get("GPU", 0)) if ray.is_initialized() else 0.0
+
+
+def serve_forever(
+    model_dir: str,
+    *,
+    model_name: str = "llava",
+    replicas: int = 0,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    address: str | None = None,
+) -> None:
+    """Serve a checkpoint with Ray Serve on host:port until SIGTERM or Ctrl-C."""
+    import ray
+    from ray import serve
+
+    ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": host, "port": port})
+    app = build({"model_dir": model_dir, "model_name": model_name, "replicas": replicas})
+    print(f"starting {replicas or 'one per GPU'} replica(s) of {model_dir}", file=sys.stderr)
+    serve.run(app, name="llava", route_prefix="/")
+    print(f"llava on Ray Serve: http://{host}:{port} (ready)", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    print("shutting down: replicas flush their session snapshots", file=sys.stderr, flush=True)
+    serve.shutdown()
+    ray.shutdown()
+    os._exit(0)  # Ray's threads would otherwise keep the process alive

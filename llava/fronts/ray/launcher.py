@@ -1,0 +1,111 @@
+"""Start and stop a real Ray Serve front on loopback, as `make serve FRONT=ray` runs it.
+
+Used by the tests and the benchmarks, beside the TorchServe launcher: the same `url()`, `logs()`
+and context manager, so one set of API tests drives either front.
+
+    with RayServe(model_dir, replicas=2) as rs:
+        httpx.post(rs.url("/invocations"), json={...})
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from llava.fronts.torchserve.launcher import free_port
+
+REPLICA_TITLE = "ServeReplica:llava:LlavaReplica"  # Ray names each replica's process so
+
+
+class RayServe:
+    """A `python -m llava serve-ray` process with its own port, Ray session and log."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        replicas: int = 1,
+        workdir: str | Path | None = None,
+        env: dict[str, str] | None = None,
+        address: str | None = None,
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.replicas = replicas
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="llava-ray-"))
+        self.port = free_port()
+        self.address = address
+        self.env = env or {}
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / "serve-ray.log"
+
+    def url(self, path: str = "") -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def start(self, timeout_s: float = 300.0) -> RayServe:
+        """Start the front and wait until every replica is up (the command prints ready)."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        command = [sys.executable, "-m", "llava", "serve-ray", "--model", str(self.model_dir)]
+        command += ["--replicas", str(self.replicas), "--port", str(self.port)]
+        if self.address:
+            command += ["--address", self.address]
+        env = {
+            **os.environ,
+            "LLAVA_SESSION_REGISTRY_DIR": str(self.workdir / "registry"),
+            "LLAVA_SNAPSHOT_DIR": str(self.workdir / "snapshots"),
+            "RAY_USAGE_STATS_ENABLED": "0",
+            **self.env,
+        }
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                command, cwd=self.workdir, env=env, stdout=log, stderr=subprocess.STDOUT
+            )
+        deadline = time.monotonic() + timeout_s
+        while "(ready)" not in self.logs():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"Ray Serve did not start; last lines:\n{self.log_tail()}")
+            time.sleep(0.5)
+        httpx.get(self.url("/ping"), timeout=30).raise_for_status()
+        return self
+
+    def replica_pids(self) -> list[int]:
+        """Return the process ids of the replicas (Ray titles each replica's process)."""
+        found = subprocess.run(
+            ["pgrep", "-f", REPLICA_TITLE], capture_output=True, text=True, check=False
+        )
+        return sorted(int(pid) for pid in found.stdout.split())
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """Stop gracefully (replicas flush their snapshots); kill what is left after."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def logs(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.logs().splitlines()[-lines:])
+
+    def __enter__(self) -> RayServe:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

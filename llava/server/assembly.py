@@ -1,0 +1,159 @@
+"""Assemble one serving instance from a checkpoint: engine, memory tiers, sessions, images, service.
+
+Every front (TorchServe's worker, a Ray Serve replica) builds its instance here, so they serve the
+same service over the same engine with the same budgets and recovery; a front adds only its
+transport and its own metrics.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llava.core.config import ServerConfig
+from llava.server.service import SessionService
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Instance:
+    """What a front keeps of an assembled instance."""
+
+    service: SessionService[Any, Any]
+    memory: Any  # the TieredMemory: sessions and bytes per tier, for metrics and routing
+    decoder: Any  # the engine's decoder: answers decoded outside a batch, for metrics
+
+
+def open_registry(name: str, directory: str | None = None) -> tuple[Any, list[str]]:
+    """Open a model's session registry; return it and the ids a dead predecessor lost.
+
+    Returns `(None, [])` when the registry cannot be used: sessions then work without it.
+    """
+    from llava.sessions.registry import SessionRegistry
+
+    try:
+        registry = SessionRegistry.for_model(name, directory)
+        lost = registry.recover()
+    except Exception:  # the registry is a diagnosis aid: never let it stop the worker
+        log.warning(
+            "session registry unavailable; lost sessions will read as unknown", exc_info=True
+        )
+        return None, []
+    if lost:
+        log.info("%d sessions of an earlier worker are lost; they answer session_lost", len(lost))
+    return (registry if registry.enabled else None), lost
+
+
+def open_snapshots(config: ServerConfig, name: str) -> Any:
+    """Open a model's snapshot directory, or None when snapshots are off or impossible."""
+    from llava.sessions.snapshots import SnapshotDir
+
+    if config.snapshot_dir == "off":
+        return None
+    try:
+        return SnapshotDir.for_model(config.snapshot_dir, name, config.snapshot_budget_bytes)
+    except OSError as exc:  # sessions still work; only a restart loses them
+        log.warning(
+            "session snapshots disabled: cannot use %r (%s); set snapshot_dir to a writable "
+            "local directory",
+            config.snapshot_dir,
+            exc,
+        )
+        return None
+
+
+def assemble(
+    model_dir: Path,
+    config: ServerConfig,
+    *,
+    model_name: str,
+    state_name: str | None = None,
+    id_prefix: str = "",
+    registry_dir: str | None = None,
+) -> Instance:
+    """Load the checkpoint and build a ready service; restore what a predecessor left open.
+
+    `state_name` names this instance's registry and snapshots (default: the model's name): an
+    instance that replaces a dead one under the same name takes over its sessions. `id_prefix`
+    starts every session id it issues (a router reads it back)."""
+    from llava.engine import LlavaEngine, set_torch_threads  # torch is imported here only
+    from llava.engine.model.budget import derive_budgets
+    from llava.images import ImageLoader, ImagePolicy
+    from llava.server.contract import Engine
+    from llava.sessions.memory import TieredMemory
+    from llava.sessions.session import LOST, Session
+    from llava.sessions.snapshots import recover
+    from llava.sessions.store import SessionStore
+
+    set_torch_threads(config)
+    llava_engine = LlavaEngine.load(model_dir, config)
+    engine: Engine[Any, Any] = llava_engine  # mypy checks the contract here
+    budgets = derive_budgets(
+        [r.device for r in llava_engine.runner.replicas],
+        config.device_budget_bytes,
+        config.host_budget_bytes,
+    )
+    memory = TieredMemory(llava_engine, budgets.device, budgets.host)
+    llava_engine.limit_batches(budgets.device)  # the batch has the budget's other half
+    name = state_name or model_name
+    registry, left_open = open_registry(name, registry_dir)
+    # Snapshots need the registry: it alone tells which sessions an earlier worker left open.
+    snapshots = open_snapshots(config, name) if registry is not None else None
+
+    def release(session: Session, reason: str) -> None:
+        engine.release(session.state)
+        if snapshots is not None:
+            snapshots.remove(session.id)
+
+    store = SessionStore(
+        ttl_s=config.session_ttl_s,
+        max_sessions=config.max_sessions,
+        memory=memory,
+        release=release,
+        journal=registry,
+        id_prefix=id_prefix,
+    )
+    if snapshots is not None:
+        recover(snapshots, engine, store, left_open)
+    else:
+        store.load_tombstones(left_open, LOST)
+    store.start_reaper(config.reaper_interval_s)
+    images = ImageLoader(
+        ImagePolicy(
+            allow_http=config.image_allow_http,
+            allow_hosts=config.image_allow_hosts,
+            s3_allow=config.image_s3_allow,
+            total_timeout_s=config.image_timeout_s,
+            max_bytes=config.image_max_bytes,
+            max_pixels=config.image_max_pixels,
+        )
+    )
+    service: SessionService[Any, Any] = SessionService(
+        engine,
+        store,
+        images,
+        limits=config.limits,
+        fetch_threads=config.image_fetch_threads,
+        image_processes=config.image_processes,
+        snapshots=snapshots,
+        model_name=model_name,
+        whole_answer_s=config.whole_answer_s or None,
+    )
+    service.start_image_processes()
+    return Instance(service, memory, llava_engine.runner.decoder)
+
+
+def freeze_startup_objects() -> None:
+    """Keep what startup built out of every later garbage collection.
+
+    torch, transformers and the model leave some 360,000 objects that live as long as the
+    worker; a full collection walks them all, about 125 ms on 2 cores, during which every
+    stream waits. Frozen, they are never walked again (as CPython's `gc.freeze` documents for
+    long-running servers), and a full collection walks only what sessions allocated since.
+    """
+    gc.collect()  # garbage left by startup is freed, not kept for ever
+    gc.freeze()

@@ -1,0 +1,180 @@
+"""The default model sees: true answers about scenes it never saw, through a real TorchServe.
+
+Images go in as users send them (inline PNG or JPEG, by URL from a loopback server, a JPEG rotated
+by an EXIF tag); every answer must equal transformers' own pipeline on the picture the user meant,
+so a loss anywhere in the stack (decoding, orientation, colour mode, resizing) shows as a
+difference, and the accuracy must reach its target for each kind of question.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from conftest import served
+from helpers import Reference, ask, open_session, post
+from PIL import Image, ImageOps
+
+from llava.core.paths import SAMPLE_IMAGE
+from llava.fronts.torchserve.launcher import TorchServe
+from llava.tools.archive import build_archive
+from llava.tools.quickstart import FOLLOW_UP, QUESTION
+from llava.tools.tiny.quiz import Item, make_quiz, report, score, shortfalls
+from llava.tools.tiny.scenes import SAMPLE, colour_answer
+from llava.tools.tiny.train import SHIPPED
+
+SCENES = 60
+MAX_NEW_TOKENS = 24
+ORIENTATION = 0x0112  # the EXIF tag; 6 = "rotate 90 degrees clockwise to display"
+MODES = ("inline", "url", "exif")
+QUIZ = make_quiz(SCENES)
+
+
+class Files(BaseHTTPRequestHandler):
+    """Serve the test's image files by path, as any web server would."""
+
+    files: dict[str, bytes] = {}
+
+    def do_GET(self) -> None:
+        data = self.files.get(self.path)
+        self.send_response(200 if data else 404)
+        self.send_header("Content-Type", "image/png")
+        self.send_header("Content-Length", str(len(data or b"")))
+        self.end_headers()
+        self.wfile.write(data or b"")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def image_host() -> Iterator[str]:
+    host = ThreadingHTTPServer(("127.0.0.1", 0), Files)
+    host.daemon_threads = True
+    threading.Thread(target=host.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{host.server_address[1]}"
+    finally:
+        host.shutdown()
+
+
+@pytest.fixture(scope="module")
+def shapes_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TorchServe]:
+    store = tmp_path_factory.mktemp("store-shapes")
+    build_archive(SHIPPED, store, name="llava")
+    with served(
+        store,
+        tmp_path_factory.mktemp("ts-shapes"),
+        LLAVA_IMAGE_ALLOW_HTTP="true",
+        LLAVA_IMAGE_ALLOW_HOSTS="127.0.0.1",
+    ) as ts:
+        yield ts
+
+
+@pytest.fixture(scope="module")
+def oracle() -> Reference:
+    import torch
+
+    return Reference(Path(SHIPPED), dtype=torch.float32)
+
+
+def exif_rotated(image: Image.Image) -> bytes:
+    """Return a JPEG whose pixels lie on their side, with the EXIF tag that stands them up."""
+    exif = Image.Exif()
+    exif[ORIENTATION] = 6
+    out = io.BytesIO()
+    image.transpose(Image.Transpose.ROTATE_90).save(out, "JPEG", quality=95, exif=exif)
+    return out.getvalue()
+
+
+def as_sent(mode: str, index: int, item: Item, host: str) -> tuple[str, Image.Image]:
+    """Return the image reference a user sends, and the picture they mean (the oracle's input)."""
+    if mode == "exif":
+        data = exif_rotated(item.scene.draw())
+        with Image.open(io.BytesIO(data)) as stored:
+            meant = ImageOps.exif_transpose(stored).convert("RGB")
+        assert meant.size == (item.scene.width, item.scene.height)
+        return "data:image/jpeg;base64," + base64.b64encode(data).decode(), meant
+    fmt = "JPEG" if index % 2 else "PNG"
+    data = item.scene.encode(fmt)
+    with Image.open(io.BytesIO(data)) as decoded:
+        meant = decoded.convert("RGB")
+    if mode == "url":
+        Files.files[f"/scene-{index}.{fmt.lower()}"] = data
+        return f"{host}/scene-{index}.{fmt.lower()}", meant
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(data).decode(), meant
+
+
+def converse(url: str, image: str, questions: list[str]) -> list[str]:
+    """Open a session on the image, ask each question in turn, close it; return the answers."""
+    with httpx.Client(timeout=120) as client:
+        sid = open_session(client, url, image)
+        answers = [
+            ask(client, url, sid, q, max_new_tokens=MAX_NEW_TOKENS)["text"] for q in questions
+        ]
+        assert post(client, url, {"type": "close_session"}, sid).status_code == 200
+    return answers
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_answers_about_unseen_scenes_are_true(
+    mode: str, shapes_server: TorchServe, oracle: Reference, image_host: str
+) -> None:
+    url = shapes_server.url("/predictions/llava")
+    sent = [as_sent(mode, i, item, image_host) for i, item in enumerate(QUIZ)]
+    with ThreadPoolExecutor(8) as pool:
+        served_answers = list(
+            pool.map(
+                lambda pair: converse(url, pair[0][0], [t.question for t in pair[1].turns]),
+                zip(sent, QUIZ, strict=True),
+            )
+        )
+    scores = score(QUIZ, served_answers)
+    assert not shortfalls(scores), f"{mode}:\n{report(scores)}"
+    in_process = [
+        oracle.answers(meant, [t.question for t in item.turns], MAX_NEW_TOKENS)
+        for (_, meant), item in zip(sent, QUIZ, strict=True)
+    ]
+    differ = [
+        (i, got, want)
+        for i, (got, want) in enumerate(zip(served_answers, in_process, strict=True))
+        if got != want
+    ]
+    assert not differ, f"{mode}: served answers differ from transformers' pipeline: {differ[:5]}"
+
+
+def test_the_quickstart_answers_truly_about_the_sample(shapes_server: TorchServe) -> None:
+    with Image.open(SAMPLE_IMAGE) as shipped:
+        assert list(shipped.convert("RGB").getdata()) == list(SAMPLE.draw().getdata())
+    data = base64.b64encode(SAMPLE_IMAGE.read_bytes()).decode()
+    answers = converse(
+        shapes_server.url("/predictions/llava"),
+        f"data:image/png;base64,{data}",
+        [QUESTION, FOLLOW_UP],
+    )
+    assert answers == [colour_answer(SAMPLE, "circle"), colour_answer(SAMPLE, "square")]
+
+
+def test_openai_chat_completions_answer_truly(shapes_server: TorchServe) -> None:
+    from openai import OpenAI
+
+    data = base64.b64encode(SAMPLE_IMAGE.read_bytes()).decode()
+    content: list[Any] = [
+        {"type": "text", "text": "Which shape is on the right?"},
+        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}},
+    ]
+    client = OpenAI(
+        base_url=shapes_server.url("/predictions/llava/1.0/v1"), api_key="unused", max_retries=0
+    )
+    reply = client.chat.completions.create(
+        model="llava", messages=[{"role": "user", "content": content}], max_tokens=MAX_NEW_TOKENS
+    )
+    assert reply.choices[0].message.content == "The square is on the right."

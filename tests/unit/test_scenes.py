@@ -1,0 +1,122 @@
+"""The seeing model's ground truth: drawn scenes show what their facts say, and training examples
+are the exact ids serving feeds, with the answers (and only they) as targets."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from llava.tools.tiny.profiles import PROFILES
+from llava.tools.tiny.quiz import make_quiz, score, shortfalls
+from llava.tools.tiny.scenes import (
+    COLOURS,
+    SHAPES,
+    Scene,
+    Shape,
+    count_answer,
+    dialogue,
+    draw_scene,
+    follow_up,
+)
+from llava.tools.tiny.train import SHIPPED, Recipe, encode, messages, train
+
+SEEDS = range(200)
+
+
+def centre_colour(image: Image.Image, shape: Shape) -> tuple[int, int, int]:
+    """Return the pixel at a point inside the shape (a triangle's lower middle)."""
+    y = shape.y + (shape.size / 6 if shape.kind == "triangle" else 0)
+    return image.getpixel((int(shape.x), int(y)))  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("seed", SEEDS[:40])
+def test_a_scene_shows_what_its_facts_say(seed: int) -> None:
+    scene = draw_scene(random.Random(seed))
+    image = scene.draw()
+    assert 0.5 <= scene.width / scene.height <= 2.0
+    assert image.size == (scene.width, scene.height)
+    kinds = [s.kind for s in scene.shapes]
+    colours = [s.colour for s in scene.shapes]
+    assert 1 <= len(kinds) <= 3 and len(set(kinds)) == len(kinds) == len(set(colours))
+    assert ("black" if scene.dark else "white") not in colours  # never invisible
+    for shape in scene.shapes:
+        assert centre_colour(image, shape) == COLOURS[shape.colour]
+        half = shape.size / 2
+        assert half <= shape.x <= scene.width - half and half <= shape.y <= scene.height - half
+
+
+def test_positions_are_asked_only_where_a_person_would_agree() -> None:
+    left = Shape("circle", "red", 100, 100, 60)
+    near = Shape("square", "blue", 120, 300, 60)  # 20 px right of the circle: too close to call
+    far = Shape("triangle", "green", 400, 100, 60)
+    scene = Scene(500, 400, False, (230, 230, 230), (left, near, far))
+    assert scene.extreme("right") == far
+    assert scene.extreme("left") is None
+    assert scene.extreme("top") is None  # circle and triangle share a height
+    assert scene.extreme("bottom") == near
+    assert Scene(500, 400, False, (230, 230, 230), (left,)).extreme("left") is None
+    assert count_answer(Scene(500, 400, False, (0, 0, 0), (left,))) == "There is one shape."
+
+
+def test_the_other_one_is_asked_only_when_it_is_one_shape() -> None:
+    rng = random.Random(0)
+    for _ in range(300):
+        scene = draw_scene(rng)
+        about = ("kind", rng.choice(SHAPES))
+        turn = follow_up(scene, rng, about)
+        if "other" in turn.question:
+            assert scene.by_kind(about[1]) is not None and len(scene.shapes) == 2
+
+
+def test_every_kind_of_question_is_asked() -> None:
+    rng = random.Random(1)
+    kinds = {t.kind for _ in range(300) for t in dialogue(draw_scene(rng), rng, 3)}
+    assert kinds == {"colour", "shape", "count", "position", "exists", "follow-up", "describe"}
+
+
+def test_the_quiz_scores_by_kind_against_the_facts() -> None:
+    quiz = make_quiz(30)
+    truth = [[t.answer for t in item.turns] for item in quiz]
+    assert not shortfalls(score(quiz, truth))
+    wrong = [["The circle is red."] * len(item.turns) for item in quiz]
+    assert shortfalls(score(quiz, wrong))
+
+
+def test_a_training_example_is_what_serving_feeds_with_only_answers_as_targets() -> None:
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(SHIPPED)
+    tokenizer = processor.tokenizer
+    spec = PROFILES["shapes"]
+    rng = random.Random(3)
+    scene = draw_scene(rng)
+    turns = dialogue(scene, rng, 3)
+    ids, labels = encode(processor, turns, "You are a helpful assistant.", spec.num_image_tokens)
+    # The first turn's prompt, through the processor with the image, as serving builds it.
+    chat = messages(turns[:1], "You are a helpful assistant.")[:2]
+    text = processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    served = processor(text=text, images=scene.draw(), return_tensors="pt")["input_ids"][0]
+    assert ids[: len(served)] == served.tolist()
+    targets = [token for token in labels if token != -100]
+    answers = [tokenizer(t.answer, add_special_tokens=False)["input_ids"] for t in turns]
+    assert targets == [token for answer in answers for token in answer] + [tokenizer.eos_token_id]
+
+
+def test_training_writes_a_checkpoint_transformers_loads(tmp_path: Path) -> None:
+    from transformers import AutoModelForImageTextToText
+
+    out = train(tmp_path / "shapes", Recipe(steps=2, batch=2, scenes=4))
+    model = AutoModelForImageTextToText.from_pretrained(out)
+    assert model.config.model_type == "llava"
+    assert json.loads((out / "recipe.json").read_text())["steps"] == 2
+
+
+def test_the_shipped_checkpoint_is_the_default_recipe() -> None:
+    """`python -m llava.tools.tiny.train` with no flags re-trains exactly what is committed."""
+    assert json.loads((SHIPPED / "recipe.json").read_text()) == json.loads(
+        json.dumps(Recipe().__dict__)
+    )
