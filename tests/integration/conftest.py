@@ -7,10 +7,13 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
+import os
+
 import httpx
 import pytest
 from helpers import Reference
 
+from llava.fronts.ray.launcher import RayServe
 from llava.fronts.torchserve.launcher import TorchServe
 from llava.tools.archive import build_archive
 from llava.tools.tiny import build_checkpoint
@@ -86,6 +89,33 @@ def server(model_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         assert_no_worker_death(ts)
     finally:
         ts.stop()
+
+
+def in_private_network() -> bool:
+    """Ray binds the machine's own address: its tests run only where `make test` put the suite
+    in a private network namespace holding only loopback."""
+    return os.environ.get("LLAVA_NETNS") == "1"
+
+
+@pytest.fixture(scope="session")
+def ray_front(
+    tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RayServe]:
+    """One Ray Serve front with two CPU replicas for the whole run, on the same checkpoint."""
+    if not in_private_network():
+        pytest.skip("Ray runs only in a private network namespace: run `make test` as root")
+    front = RayServe(tiny_checkpoint, replicas=2, workdir=tmp_path_factory.mktemp("ray"))
+    front.start()
+    try:
+        yield front
+    finally:
+        front.stop()
+
+
+@pytest.fixture(scope="module", params=["torchserve", "ray"])
+def front(request: pytest.FixtureRequest) -> TorchServe | RayServe:
+    """Each front in turn: the API tests that take it run against TorchServe and Ray Serve."""
+    return request.getfixturevalue("server" if request.param == "torchserve" else "ray_front")
 
 
 @pytest.fixture()

@@ -25,9 +25,9 @@ JSON = {"Content-Type": "application/json"}
 
 
 @pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
+def client(front) -> openai.OpenAI:
     return openai.OpenAI(
-        base_url=server.url("/predictions/llava/1.0/v1"), api_key="unused", max_retries=0
+        base_url=front.url("/predictions/llava/1.0/v1"), api_key="unused", max_retries=0
     )
 
 
@@ -149,11 +149,11 @@ def test_a_chat_about_another_image_is_refused_by_a_session(client):
         create(client, sid, messages(data_uri(make_image(115)), [], PROMPTS[0]))
 
 
-def test_the_model_is_discovered_as_open_webui_and_librechat_do(client, server):
+def test_the_model_is_discovered_as_open_webui_and_librechat_do(client, front):
     """`GET {base_url}/models` (the SDK's `models.list()`) names the served model; a POST with
     an empty body is still a bad request."""
     listed = client.models.list()
     assert [m.id for m in listed.data] == ["llava"]  # the archive's model name
     assert listed.data[0].object == "model"
-    empty = httpx.post(server.url("/predictions/llava"), content=b"", headers=JSON, timeout=30)
+    empty = httpx.post(front.url("/predictions/llava"), content=b"", headers=JSON, timeout=30)
     assert empty.status_code == 400 and empty.json()["error"]["field"] == "body"

@@ -1,4 +1,5 @@
-"""The session API end to end on a real TorchServe: statuses, headers, bodies, and answers."""
+"""The session API end to end on each real front (TorchServe, Ray Serve): statuses, headers,
+bodies, and answers."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from llava.api.headers import CLOSED_SESSION_HEADER, NEW_SESSION, NEW_SESSION_HE
 
 pytestmark = pytest.mark.integration
 
-EXPIRES = re.compile(r"^([0-9a-f]{40}); Expires=(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ)$")
+EXPIRES = re.compile(r"^((?:r\d+-)?[0-9a-f]{40}); Expires=(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ)$")
 ROUTES = ["/predictions/llava", "/invocations"]
 
 
@@ -23,8 +24,8 @@ def reference(tiny_checkpoint):
 
 
 @pytest.mark.parametrize("route", ROUTES)
-def test_open_query_follow_up_close(server, client, route):
-    url = server.url(route)
+def test_open_query_follow_up_close(front, client, route):
+    url = front.url(route)
     r = post(
         client,
         url,
@@ -59,10 +60,10 @@ def test_open_query_follow_up_close(server, client, route):
     assert r.status_code == 400 and r.json()["error"]["code"] == "session_closed"
 
 
-def test_missing_session_header_also_opens(server, client):
-    sid = open_session(client, server.url("/invocations"), data_uri(make_image(2)))
-    assert re.fullmatch(r"[0-9a-f]{40}", sid)
-    post(client, server.url("/invocations"), {"type": "close_session"}, sid)
+def test_missing_session_header_also_opens(front, client):
+    sid = open_session(client, front.url("/invocations"), data_uri(make_image(2)))
+    assert re.fullmatch(r"(r\d+-)?[0-9a-f]{40}", sid)
+    post(client, front.url("/invocations"), {"type": "close_session"}, sid)
 
 
 @pytest.mark.parametrize(
@@ -89,9 +90,9 @@ def test_missing_session_header_also_opens(server, client):
     ],
 )
 def test_bad_requests_get_a_4xx_json_error_and_the_server_keeps_serving(
-    server, client, reference, body, sid, status, code
+    front, client, reference, body, sid, status, code
 ):
-    url = server.url("/predictions/llava")
+    url = front.url("/predictions/llava")
     r = post(client, url, body, sid)
     assert r.status_code == status, r.text
     assert r.json()["error"]["code"] == code
@@ -103,17 +104,17 @@ def test_bad_requests_get_a_4xx_json_error_and_the_server_keeps_serving(
     )
 
 
-def test_body_that_is_not_json_is_a_400(server, client):
+def test_body_that_is_not_json_is_a_400(front, client):
     r = client.post(
-        server.url("/predictions/llava"),
+        front.url("/predictions/llava"),
         content=b"{not json",
         headers={"Content-Type": "application/json"},
     )
     assert r.status_code == 400 and r.json()["error"]["field"] == "body"
 
 
-def test_streaming_sends_deltas_then_usage(server, client, reference):
-    url = server.url("/invocations")
+def test_streaming_sends_deltas_then_usage(front, client, reference):
+    url = front.url("/invocations")
     image = make_image(13)
     sid = open_session(client, url, data_uri(image))
     body = {"type": "query", "prompt": "Tell me more.", "max_new_tokens": 16, "stream": True}
@@ -131,9 +132,9 @@ def test_streaming_sends_deltas_then_usage(server, client, reference):
     assert events[-1]["usage"]["generated_tokens"] >= 1
 
 
-def test_a_long_stream_arrives_piece_by_piece(server, client):
+def test_a_long_stream_arrives_piece_by_piece(front, client):
     """Chunks reach the client as they are generated, not all at the end."""
-    url = server.url("/predictions/llava")
+    url = front.url("/predictions/llava")
     sid = open_session(client, url, data_uri(make_image(15)))
     body = {
         "type": "query",
@@ -153,8 +154,8 @@ def test_a_long_stream_arrives_piece_by_piece(server, client):
     assert arrivals[0] < arrivals[-1] / 4  # the first piece came long before the last
 
 
-def test_generate_answers_without_a_session(server, client, reference):
-    url = server.url("/predictions/llava")
+def test_generate_answers_without_a_session(front, client, reference):
+    url = front.url("/predictions/llava")
     image = make_image(14)
     r = post(
         client,

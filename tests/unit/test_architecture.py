@@ -142,6 +142,18 @@ def test_the_checks_see_a_violation() -> None:
             "llava.server.service, llava.fronts.torchserve.handler",
             ("torch", "transformers"),
         ),
+        # The service, the engine and the TorchServe front never load Ray; Ray's router and
+        # ingress (run in Ray's proxy processes) never load torch.
+        (
+            "llava.server.service, llava.server.loop, llava.fronts.assembly, llava.engine, "
+            "llava.fronts.torchserve.handler",
+            ("ray",),
+        ),
+        (
+            "llava.fronts.ray.router, llava.fronts.ray.ingress, llava.fronts.ray.app, "
+            "llava.fronts.ray.replica",
+            ("torch", "transformers"),
+        ),
         # The server never loads the dev tools or the chat page's UI library.
         (
             "llava.fronts.torchserve.handler, llava.server.service, llava.engine, "

@@ -21,7 +21,7 @@ from llava.api.replies import Reply
 from llava.core.errors import ImageError
 from llava.core.params import GenerationParams
 from llava.fronts.torchserve.handler import SessionHandler
-from llava.server.assembly import freeze_startup_objects
+from llava.fronts.assembly import freeze_startup_objects
 from llava.server.service import SessionService
 from llava.sessions.store import SessionStore
 

@@ -9,7 +9,7 @@ import pytest
 
 from llava.core.errors import SessionClosed, SessionLost, SessionNotFound
 from llava.core.ids import new_session_id
-from llava.server.assembly import open_registry
+from llava.fronts.assembly import open_registry
 from llava.sessions.registry import (
     ENV_DIR,
     LOST_RETENTION_S,

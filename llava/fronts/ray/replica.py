@@ -39,7 +39,7 @@ class LlavaReplica:
     ) -> None:
         from ray import serve
 
-        from llava.server.assembly import assemble, freeze_startup_objects
+        from llava.fronts.assembly import assemble, freeze_startup_objects
         from llava.server.loop import StepLoop
 
         self.rank = int(serve.get_replica_context().rank.rank)

@@ -60,7 +60,7 @@ class SessionHandler:
 
     def initialize(self, context: Any) -> None:
         """Build config, engine, session store and image loader from the model archive."""
-        from llava.server.assembly import assemble, freeze_startup_objects  # imports torch
+        from llava.fronts.assembly import assemble, freeze_startup_objects  # imports torch
 
         model_dir = Path(context.system_properties.get("model_dir"))
         section = (getattr(context, "model_yaml_config", None) or {}).get("handler")

@@ -85,7 +85,7 @@ PROFILES: dict[str, TinySpec] = {
 PROFILES["shapes"] = replace(
     PROFILES["tiny"],
     image_size=64,
-    patch_size=8,
+    patch_size=16,  # 16 image tokens, each holding about one shape: quick to learn to read
     vision_hidden=128,
     vision_layers=3,
     vision_heads=4,

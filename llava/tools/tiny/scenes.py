@@ -242,7 +242,12 @@ def first_turn(scene: Scene, rng: random.Random) -> tuple[Turn, tuple[str, str] 
         has = scene.by_colour(colour) is not None
         answer = f"Yes, there is a {colour} shape." if has else f"No, there is no {colour} shape."
         return Turn(rng.choice(HAS_COLOUR).format(colour=colour), answer, "exists"), None
-    return Turn(rng.choice(DESCRIBE), describe_answer(scene), "describe"), None
+    return describe(scene, rng), None
+
+
+def describe(scene: Scene, rng: random.Random) -> Turn:
+    """Return a request to describe the scene (LLaVA's first training stage is captions)."""
+    return Turn(rng.choice(DESCRIBE), describe_answer(scene), "describe")
 
 
 def follow_up(scene: Scene, rng: random.Random, about: tuple[str, str]) -> Turn:

@@ -1,0 +1,96 @@
+"""The Ray Serve front with two CPU replicas: sessions spread and stay pinned, answers are
+transformers' own, a killed replica loses no other replica's sessions and its own come back."""
+
+from __future__ import annotations
+
+import os
+import signal
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+from helpers import Reference, ask, data_uri, make_image, open_session, post
+
+from llava.fronts.ray.launcher import RayServe
+
+pytestmark = pytest.mark.integration
+PROMPTS = ["What is in the picture?", "And what else?"]
+TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint):
+    return Reference(tiny_checkpoint)
+
+
+def converse(url: str, seed: int, prompts: list[str]) -> tuple[str, list[dict[str, Any]]]:
+    """Open a session on image `seed` and ask each prompt; return its id and the answers."""
+    with httpx.Client(timeout=120) as client:
+        sid = open_session(client, url, data_uri(make_image(seed)))
+        return sid, [ask(client, url, sid, p, max_new_tokens=TOKENS) for p in prompts]
+
+
+def test_sessions_spread_over_the_replicas_and_stay_on_theirs(
+    ray_front: RayServe, reference: Reference
+) -> None:
+    url = ray_front.url("/invocations")
+    with ThreadPoolExecutor(6) as pool:
+        runs = list(pool.map(lambda seed: converse(url, seed, PROMPTS), range(6)))
+    placed = {}
+    for seed, (sid, answers) in enumerate(runs):
+        replicas = {a["usage"]["replica"] for a in answers}
+        assert replicas == {sid.split("-")[0]}, (sid, replicas)  # pinned where it was opened
+        placed[sid] = replicas.pop()
+        expected = reference.answers(make_image(seed), PROMPTS, TOKENS)
+        assert [a["text"] for a in answers] == expected
+        assert answers[1]["usage"]["cached_tokens"] > answers[0]["usage"]["cached_tokens"]
+    assert set(placed.values()) == {"r0", "r1"}, placed
+
+
+def test_a_burst_of_opens_and_questions_from_16_clients_gives_no_error(
+    ray_front: RayServe,
+) -> None:
+    url = ray_front.url("/predictions/llava")
+
+    def client(seed: int) -> list[int]:
+        with httpx.Client(timeout=180) as http:
+            sid = open_session(http, url, data_uri(make_image(100 + seed)))
+            statuses = [
+                post(http, url, {"type": "query", "prompt": p, "max_new_tokens": 4}, sid)
+                for p in PROMPTS
+            ]
+            statuses.append(post(http, url, {"type": "close_session"}, sid))
+            return [r.status_code for r in statuses]
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(client, range(16)))
+    assert results == [[200, 200, 200]] * 16
+
+
+def test_a_killed_replica_loses_no_other_replicas_sessions_and_its_own_come_back(
+    ray_front: RayServe, reference: Reference
+) -> None:
+    url = ray_front.url("/invocations")
+    runs = [converse(url, 200 + seed, PROMPTS[:1]) for seed in range(4)]
+    by_replica: dict[str, list[int]] = {}
+    for i, (sid, _) in enumerate(runs):
+        by_replica.setdefault(sid.split("-")[0], []).append(i)
+    assert set(by_replica) == {"r0", "r1"}
+    pids = ray_front.replica_pids()
+    assert len(pids) == 2
+    os.kill(pids[0], signal.SIGKILL)
+    with httpx.Client(timeout=180) as client:
+        after = [ask(client, url, sid, PROMPTS[1], max_new_tokens=TOKENS) for sid, _ in runs]
+    # Every session answers its second question exactly as transformers does: those of the
+    # surviving replica from their cache, those of the killed one restored from snapshots.
+    for i, (sid, first) in enumerate(runs):
+        history = [PROMPTS[0]]
+        expected = reference.answers(make_image(200 + i), [*history, PROMPTS[1]], TOKENS)
+        assert [first[0]["text"], after[i]["text"]] == expected
+        assert after[i]["usage"]["replica"] == sid.split("-")[0]
+    tiers = {sid.split("-")[0]: set() for sid, _ in runs}
+    for (sid, _), answer in zip(runs, after, strict=True):
+        tiers[sid.split("-")[0]].add(answer["usage"]["session_tier"])
+    # One replica's sessions were rebuilt from their snapshots' features, the other's were kept.
+    assert sorted(map(sorted, tiers.values())) == [["device"], ["features"]], tiers
