@@ -20,8 +20,8 @@ from llava.api.headers import (
 from llava.api.replies import Reply
 from llava.core.errors import ImageError
 from llava.core.params import GenerationParams
-from llava.fronts.torchserve.handler import SessionHandler
 from llava.fronts.assembly import freeze_startup_objects
+from llava.fronts.torchserve.handler import SessionHandler
 from llava.server.service import SessionService
 from llava.sessions.store import SessionStore
 

@@ -23,6 +23,7 @@ from llava.tools.tiny.scenes import (
     follow_up,
 )
 from llava.tools.tiny.train import SHIPPED, Recipe, encode, messages, train
+from llava.tools.tiny.vision import COLOUR_IDS, KIND_IDS, patch_labels
 
 SEEDS = range(200)
 
@@ -106,10 +107,24 @@ def test_a_training_example_is_what_serving_feeds_with_only_answers_as_targets()
     assert targets == [token for answer in answers for token in answer] + [tokenizer.eos_token_id]
 
 
+def test_the_towers_labels_follow_llava_preprocessing() -> None:
+    """A wide canvas is padded top and bottom to a square, then resized: a shape centred at the
+    canvas's left middle lands in the left column's middle rows."""
+    circle = Shape("circle", "red", 50, 100, 60)
+    square = Shape("square", "blue", 350, 20, 30)
+    scene = Scene(400, 200, False, (230, 230, 230), (circle, square))
+    colours, kinds = patch_labels(scene, image_size=64, patch=16)
+    grid = [[kinds[r * 4 + c] for c in range(4)] for r in range(4)]
+    assert grid[2][0] == KIND_IDS["circle"] and colours[2 * 4 + 0] == COLOUR_IDS["red"]
+    assert grid[1][3] == KIND_IDS["square"]  # y 20 + 100 padding = 120 of 400: row 1
+    assert sum(k > 0 for k in kinds) == 2
+
+
 def test_training_writes_a_checkpoint_transformers_loads(tmp_path: Path) -> None:
     from transformers import AutoModelForImageTextToText
 
-    out = train(tmp_path / "shapes", Recipe(steps=2, batch=2, scenes=4))
+    recipe = Recipe(steps=2, batch=2, scenes=4, vision_steps=2, align_steps=1)
+    out = train(tmp_path / "shapes", recipe)
     model = AutoModelForImageTextToText.from_pretrained(out)
     assert model.config.model_type == "llava"
     assert json.loads((out / "recipe.json").read_text())["steps"] == 2

@@ -17,6 +17,15 @@ from typing import Any
 # so Ray's default of one CPU per actor would serialise nothing; its torch threads come from the
 # kit's own setting (`torch_threads`).
 REPLICA_CPUS = 1.0
+# Ray's router asks a replica its queue length before each send, with a 0.1 s deadline doubling
+# on each miss; a replica busy with a forward misses it, and every request then waits out the
+# backoff (measured: 40-60 s per request on 2 busy cores). The kit's service holds its own
+# admission (429 when full), so the probe only needs to arrive, not to be quick.
+RAY_ENV = {
+    "RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "2",
+    "RAY_SERVE_MAX_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "10",
+    "RAY_USAGE_STATS_ENABLED": "0",
+}
 
 
 def default_replicas(gpus: float) -> int:
@@ -73,6 +82,8 @@ def serve_forever(
     address: str | None = None,
 ) -> None:
     """Serve a checkpoint with Ray Serve on host:port until SIGTERM or Ctrl-C."""
+    for name, value in RAY_ENV.items():  # read by every Ray process this one starts
+        os.environ.setdefault(name, value)
     import ray
     from ray import serve
 

@@ -25,6 +25,7 @@ from llava.tools.tiny.build import family_parts, model_config, write_staged
 from llava.tools.tiny.profiles import PROFILES
 from llava.tools.tiny.scenes import Scene, Turn, describe, dialogue, draw_scene
 from llava.tools.tiny.tokenizers import CORPUS, train_llama_tokenizer
+from llava.tools.tiny.vision import pretrain_tower
 
 SHIPPED = CHECKOUT / "models" / "shapes"  # the committed checkpoint `make serve` serves
 PROFILE = "shapes"
@@ -40,13 +41,18 @@ class Recipe:
     """Everything that decides the trained weights (with the code): change it, re-train."""
 
     seed: int = 0
-    steps: int = 4000
-    # LLaVA's recipe in small: a first stage of mostly captions ("Describe the picture.") aligns
-    # the image features with the words, then the questions and follow-ups.
-    align_steps: int = 800
+    steps: int = 3000
+    # Stage 0 (vision.py): the tower learns what is where, as CLIP's pretraining gives a real
+    # LLaVA its tower. Then LLaVA's two stages in small: mostly captions ("Describe the
+    # picture.") to align the features with words, then questions and follow-ups.
+    vision_steps: int = 8000
+    align_steps: int = 300
     batch: int = 32
     scenes: int = 6000
-    lr: float = 2e-3
+    lr: float = 1e-3
+    # After stage 0 the tower is only fine-tuned, gently, so the words do not wash out what it
+    # learned to see.
+    vision_lr: float = 1e-4
     warmup: int = 100
     weight_decay: float = 0.01
     max_turns: int = 3
@@ -126,8 +132,23 @@ def train(out: str | Path = SHIPPED, recipe: Recipe = Recipe(), *, overwrite: bo
     scenes = [draw_scene(rng) for _ in tqdm(range(recipe.scenes), desc="drawing scenes")]
     pool = torch.stack([pixels(processor, scene, rng) for scene in tqdm(scenes, desc="processing")])
 
+    pretrain_tower(
+        model,
+        pool,
+        scenes,
+        image_size=spec.image_size,
+        patch=spec.patch_size,
+        steps=recipe.vision_steps,
+        batch=64,
+        lr=recipe.lr,
+        rng=rng,
+    )
+    tower = list(model.model.vision_tower.parameters())
+    in_tower = {id(p) for p in tower}
+    rest = [p for p in model.parameters() if id(p) not in in_tower]
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay
+        [{"params": rest, "lr": recipe.lr}, {"params": tower, "lr": recipe.vision_lr}],
+        weight_decay=recipe.weight_decay,
     )
 
     def rate(step: int) -> float:
@@ -230,8 +251,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("out", nargs="?", type=Path, default=SHIPPED)
     parser.add_argument("--seed", type=int, default=Recipe.seed)
     parser.add_argument("--steps", type=int, default=Recipe.steps)
+    parser.add_argument("--lr", type=float, default=Recipe.lr)
+    parser.add_argument("--vision-lr", type=float, default=Recipe.vision_lr)
     args = parser.parse_args(argv)
-    print(train(args.out, Recipe(seed=args.seed, steps=args.steps)))
+    recipe = Recipe(seed=args.seed, steps=args.steps, lr=args.lr, vision_lr=args.vision_lr)
+    print(train(args.out, recipe))
     return 0
 
 

@@ -1,0 +1,86 @@
+"""Stage 0 of the seeing model: teach the vision tower what is where, before any words.
+
+A real LLaVA starts from a CLIP tower pretrained on 400M image-text pairs; learning to see from
+scratch through the language model's answers alone is slow (measured: after 2,400 steps the model
+still answered colours at chance). So the tower first learns, per image patch, the colour and the
+kind of the shape centred in it, and the number of shapes, from linear heads on the features the
+projector will read (layer -2, CLS dropped). The heads are thrown away; the tower keeps its
+weights and the model keeps llava-1.5's architecture.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from llava.tools.tiny.scenes import COLOURS, SHAPES, Scene
+
+COLOUR_IDS = {name: i + 1 for i, name in enumerate(COLOURS)}  # 0: no shape centred here
+KIND_IDS = {name: i + 1 for i, name in enumerate(SHAPES)}
+
+
+def patch_labels(scene: Scene, image_size: int, patch: int) -> tuple[list[int], list[int]]:
+    """Return, per patch (row-major), the colour and kind of the shape centred in it (0 = none),
+    in the geometry of llava-1.5's preprocessing: padded to a centred square, then resized."""
+    side = max(scene.width, scene.height)
+    pad_x, pad_y = (side - scene.width) / 2, (side - scene.height) / 2
+    grid = image_size // patch
+    colours, kinds = [0] * grid * grid, [0] * grid * grid
+    for shape in scene.shapes:
+        col = min(grid - 1, int((shape.x + pad_x) * image_size / side) // patch)
+        row = min(grid - 1, int((shape.y + pad_y) * image_size / side) // patch)
+        colours[row * grid + col] = COLOUR_IDS[shape.colour]
+        kinds[row * grid + col] = KIND_IDS[shape.kind]
+    return colours, kinds
+
+
+def pretrain_tower(
+    model: Any,
+    pool: Any,
+    scenes: Sequence[Scene],
+    *,
+    image_size: int,
+    patch: int,
+    steps: int,
+    batch: int,
+    lr: float,
+    rng: Any,
+) -> None:
+    """Train the model's vision tower on per-patch colours and kinds and the shape count."""
+    import torch
+    from tqdm import tqdm
+
+    tower = model.model.vision_tower
+    hidden = tower.config.hidden_size
+    heads = torch.nn.ModuleDict(
+        {
+            "colour": torch.nn.Linear(hidden, len(COLOURS) + 1),
+            "kind": torch.nn.Linear(hidden, len(SHAPES) + 1),
+            "count": torch.nn.Linear(hidden, 4),
+        }
+    )
+    labels = [patch_labels(scene, image_size, patch) for scene in scenes]
+    colour_of = torch.tensor([c for c, _ in labels])
+    kind_of = torch.tensor([k for _, k in labels])
+    count_of = torch.tensor([len(scene.shapes) for scene in scenes])
+    params = [*tower.parameters(), *heads.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+    tower.train()
+    bar = tqdm(range(steps), desc="stage 0: seeing")
+    for _ in bar:
+        chosen = torch.tensor([rng.randrange(len(scenes)) for _ in range(batch)])
+        states = tower(pool[chosen], output_hidden_states=True).hidden_states[-2]
+        patches = states[:, 1:]  # the features the projector reads: CLS dropped
+        colour = heads["colour"](patches)
+        kind = heads["kind"](patches)
+        loss = (
+            torch.nn.functional.cross_entropy(colour.flatten(0, 1), colour_of[chosen].flatten())
+            + torch.nn.functional.cross_entropy(kind.flatten(0, 1), kind_of[chosen].flatten())
+            + torch.nn.functional.cross_entropy(heads["count"](patches.mean(1)), count_of[chosen])
+        )
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        right = (kind.argmax(-1) == kind_of[chosen]).float().mean()
+        bar.set_postfix(loss=f"{loss.item():.3f}", kinds=f"{right.item():.3f}")
