@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import io
+import os
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -178,3 +179,36 @@ def test_openai_chat_completions_answer_truly(shapes_server: TorchServe) -> None
         model="llava", messages=[{"role": "user", "content": content}], max_tokens=MAX_NEW_TOKENS
     )
     assert reply.choices[0].message.content == "The square is on the right."
+
+
+def test_the_chat_page_shows_true_answers(shapes_server: TorchServe) -> None:
+    """The chat page in Chromium: upload the sample, ask, and read the true answer on the page
+    (LLAVA_CHAT_SCREENSHOT=docs/chat-page.png takes the README's picture)."""
+    pytest.importorskip("gradio", reason="the chat page needs the ui extra")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="needs playwright")
+    from helpers import chromium, launch
+
+    from llava.client import SessionClient
+    from llava.tools.chat_page.app import build_app
+
+    url = shapes_server.url("/predictions/llava")
+    for page_url in launch(build_app(lambda: SessionClient.for_url(url), url)):
+        with sync_api.sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=chromium(), args=["--no-sandbox"])
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.goto(page_url)
+            page.set_input_files("#image input[type=file]", str(SAMPLE_IMAGE))
+            page.wait_for_selector("#chat")
+            for turn, (question, kind) in enumerate(((QUESTION, "circle"), (FOLLOW_UP, "square"))):
+                page.fill("#prompt textarea", question)
+                page.click("#send")
+                page.wait_for_function(
+                    "([n, text]) => { const bots = document.querySelectorAll("
+                    "'#chat [data-testid=\"bot\"]'); return bots.length === n && "
+                    "bots[n - 1].innerText.trim() === text; }",
+                    arg=[turn + 1, colour_answer(SAMPLE, kind)],
+                    timeout=60_000,
+                )
+            if os.environ.get("LLAVA_CHAT_SCREENSHOT"):
+                page.screenshot(path=os.environ["LLAVA_CHAT_SCREENSHOT"], full_page=True)
+            browser.close()

@@ -38,7 +38,6 @@ def build(args: Mapping[str, Any]) -> Any:
     (per replica), `settings` (ServerConfig fields, as in model-config.yaml)."""
     import ray
     from ray import serve
-    from ray.serve.config import RequestRouterConfig
 
     from llava.fronts.ray.ingress import Ingress
     from llava.fronts.ray.replica import LlavaReplica
@@ -47,23 +46,22 @@ def build(args: Mapping[str, Any]) -> Any:
     gpus_per_replica = float(args.get("num_gpus", 1 if _cluster_gpus(ray) else 0))
     replicas = int(args.get("replicas") or default_replicas(_cluster_gpus(ray)))
     replica = serve.deployment(
-        LlavaReplica,
         name="LlavaReplica",
         num_replicas=replicas,
         # The step loop batches everything in flight: never let Ray hold requests back.
         max_ongoing_requests=4096,
         ray_actor_options={"num_gpus": gpus_per_replica, "num_cpus": REPLICA_CPUS},
-        request_router_config=RequestRouterConfig(
-            request_router_class=SessionAffinityRouter,
-            request_routing_stats_period_s=1,
-            request_routing_stats_timeout_s=5,
-        ),
+        request_router_config={
+            "request_router_class": SessionAffinityRouter,
+            "request_routing_stats_period_s": 1,
+            "request_routing_stats_timeout_s": 5,
+        },
         health_check_period_s=5,
         graceful_shutdown_timeout_s=30,
-    ).bind(str(args["model_dir"]), str(args.get("model_name", "llava")), args.get("settings"))
+    )(LlavaReplica).bind(str(args["model_dir"]), str(args.get("model_name", "llava")), args.get("settings"))
     ingress = serve.deployment(
-        Ingress, name="Ingress", max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0}
-    )
+        name="Ingress", max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0}
+    )(Ingress)
     return ingress.bind(replica)
 
 

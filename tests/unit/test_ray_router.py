@@ -1,0 +1,107 @@
+"""The session affinity router's decisions, with Ray's own request and replica types.
+
+Ray runs here only inside a private network namespace, but the router is plain logic over
+`PendingRequest` and replicas' routing stats: these tests call it as Ray does, with stand-in
+replicas that report stats (the end-to-end routing is in tests/integration/test_ray_front.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+pytest.importorskip("ray.serve", reason="the Ray front needs the ray extra")
+
+from ray.serve._private.common import RequestMetadata  # noqa: E402
+from ray.serve.request_router import PendingRequest  # noqa: E402
+
+from llava.fronts.ray.ingress import route_of  # noqa: E402
+from llava.fronts.ray.replica import rank_of, rank_prefix  # noqa: E402
+from llava.fronts.ray.router import ORPHAN_WAIT_S, SessionAffinityRouter  # noqa: E402
+
+
+@dataclass
+class Replica:
+    """What the router reads of a running replica."""
+
+    replica_id: str
+    routing_stats: dict[str, Any] = field(default_factory=dict)
+
+
+def router(replicas: list[Replica]) -> SessionAffinityRouter:
+    made = SessionAffinityRouter.__new__(SessionAffinityRouter)
+    made._replicas = {r.replica_id: r for r in replicas}  # what Ray's update_replicas keeps
+    made.initialize_state()
+    return made
+
+
+def request(route: str | None, age_s: float = 0.0) -> PendingRequest:
+    async def make() -> PendingRequest:  # its future needs a running event loop
+        return PendingRequest(
+            args=[b"{}", {}],
+            kwargs={"route": route},
+            metadata=RequestMetadata(request_id="r", internal_request_id="i"),
+            created_at=time.time() - age_s,
+        )
+
+    return asyncio.run(make())
+
+
+def choose(chosen: SessionAffinityRouter, pending: PendingRequest) -> list[list[str]]:
+    ranked = asyncio.run(chosen.choose_replicas(list(chosen.curr_replicas.values()), pending))
+    return [[r.replica_id for r in rank] for rank in ranked]
+
+
+def replicas(*loads: tuple[int, int]) -> list[Replica]:
+    return [
+        Replica(f"id{rank}", {"rank": rank, "device_bytes": used, "sessions": count})
+        for rank, (used, count) in enumerate(loads)
+    ]
+
+
+def test_a_session_goes_to_the_replica_its_id_names() -> None:
+    chosen = router(replicas((10, 1), (0, 0)))
+    assert choose(chosen, request(rank_prefix(0) + "-" + "a" * 40)) == [["id0"]]
+    assert choose(chosen, request("r1-" + "b" * 40)) == [["id1"]]
+
+
+def test_new_sessions_go_where_the_fewest_bytes_are_not_the_fewest_sessions() -> None:
+    chosen = router(replicas((900, 1), (100, 5)))  # one long conversation against five short
+    assert choose(chosen, request(None))[0] == ["id1"]
+
+
+def test_a_burst_of_opens_spreads_before_the_stats_catch_up() -> None:
+    chosen = router(replicas((0, 0), (0, 0)))
+    firsts = []
+    for _ in range(4):
+        pending = request(None)
+        first = choose(chosen, pending)[0][0]
+        chosen.on_request_routed(pending, first, None)  # type: ignore[arg-type]
+        firsts.append(first)
+    assert sorted(firsts) == ["id0", "id0", "id1", "id1"]
+
+
+def test_a_dead_replicas_session_waits_for_its_replacement_then_goes_anywhere() -> None:
+    chosen = router(replicas((0, 0)))  # rank 1 is gone
+    orphan = "r1-" + "c" * 40
+    waiting = request(orphan)
+    assert choose(chosen, waiting) == []  # Ray backs off and asks again
+    assert waiting.routing_context.should_backoff
+    assert choose(chosen, request(orphan, age_s=ORPHAN_WAIT_S + 1)) == [["id0"]]
+    chosen._replicas["id9"] = Replica("id9", {"rank": 1, "device_bytes": 0, "sessions": 0})
+    assert choose(chosen, request(orphan)) == [["id9"]]  # the replacement took rank 1
+
+
+def test_ids_without_a_rank_and_unparsable_bodies_route_as_new() -> None:
+    chosen = router(replicas((5, 1), (1, 1)))
+    assert choose(chosen, request("0" * 40))[0] == ["id1"]  # an id issued by TorchServe
+    assert rank_of("r12") == 12 and rank_of("x1") is None and rank_of(None) is None
+    assert route_of(b"not json", {"Content-Type": "application/json"}) is None
+    assert route_of(b'{"session_id": "r1-x"}', {"Content-Type": "application/json"}) == "r1-x"
+    header = {"X-Amzn-SageMaker-Session-Id": "r0-y"}
+    assert route_of(b"", header) == "r0-y"
+    assert route_of(b"{}", {"x-amzn-sagemaker-session-id": "NEW_SESSION"}) is None
