@@ -199,6 +199,9 @@ def test_the_chat_page_shows_true_answers(shapes_server: TorchServe) -> None:
             page.goto(page_url)
             page.set_input_files("#image input[type=file]", str(SAMPLE_IMAGE))
             page.wait_for_selector("#chat")
+            page.wait_for_function(  # the upload is taken: the page says so
+                "document.querySelector('#notice').innerText.includes('New conversation')"
+            )
             for turn, (question, kind) in enumerate(((QUESTION, "circle"), (FOLLOW_UP, "square"))):
                 page.fill("#prompt textarea", question)
                 page.click("#send")

@@ -37,6 +37,7 @@ class LlavaReplica:
     def __init__(
         self, model_dir: str, model_name: str = "llava", settings: Mapping[str, Any] | None = None
     ) -> None:
+        import ray
         from ray import serve
 
         from llava.fronts.assembly import assemble, freeze_startup_objects
@@ -46,7 +47,12 @@ class LlavaReplica:
         self.name = rank_prefix(self.rank)
         # Images are prepared on threads: a Ray worker process hangs starting the kit's spawned
         # image processes (measured with Ray 2.55), and each replica has its own process anyway.
-        config = ServerConfig.from_mapping({"image_processes": 0, **(settings or {})}, os.environ)
+        # torch gets the CPUs Ray gave the replica, not the machine's: replicas side by side
+        # that each spin a thread per core starve each other and Ray's own RPCs (measured: 40 s
+        # per request with two replicas on two cores).
+        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1)
+        defaults = {"image_processes": 0, "torch_threads": max(1, int(cpus))}
+        config = ServerConfig.from_mapping({**defaults, **(settings or {})}, os.environ)
         self.instance = assemble(
             Path(model_dir),
             config,

@@ -223,16 +223,16 @@ def first_turn(scene: Scene, rng: random.Random) -> tuple[Turn, tuple[str, str] 
         colour = rng.choice(colours) if rng.random() < 0.85 else rng.choice(list(COLOURS))
         q = rng.choice(SHAPE_OF).format(colour=colour)
         return Turn(q, shape_answer(scene, colour), "shape"), ("colour", colour)
-    if roll < 0.65:
+    if roll < 0.62:
         return Turn(rng.choice(COUNT), count_answer(scene), "count"), None
-    if roll < 0.8:
+    if roll < 0.84:
         side = rng.choice(("left", "right", "top", "bottom"))
         shape = scene.extreme(side)
         if shape is not None:
             phrasings = SIDE if side in ("left", "right") else VERTICAL
             q = rng.choice(phrasings).format(side=side)
             return Turn(q, f"The {shape.kind} is on the {side}.", "position"), None
-    if roll < 0.92:
+    if roll < 0.95:
         if rng.random() < 0.5:
             kind = rng.choice(SHAPES)
             has = scene.by_kind(kind) is not None

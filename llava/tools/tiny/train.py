@@ -41,7 +41,7 @@ class Recipe:
     """Everything that decides the trained weights (with the code): change it, re-train."""
 
     seed: int = 0
-    steps: int = 3000
+    steps: int = 4500
     # Stage 0 (vision.py): the tower learns what is where, as CLIP's pretraining gives a real
     # LLaVA its tower. Then LLaVA's two stages in small: mostly captions ("Describe the
     # picture.") to align the features with words, then questions and follow-ups.
