@@ -29,10 +29,10 @@ from llava.fronts.torchserve.launcher import TorchServe
 from llava.tools.archive import build_archive
 from llava.tools.quickstart import FOLLOW_UP, QUESTION
 from llava.tools.tiny.quiz import Item, make_quiz, report, score, shortfalls
-from llava.tools.tiny.scenes import SAMPLE, colour_answer
+from llava.tools.tiny.scenes import SAMPLE, colour_answer, shape_answer
 from llava.tools.tiny.train import SHIPPED
 
-SCENES = 60
+SCENES = 100
 MAX_NEW_TOKENS = 24
 ORIENTATION = 0x0112  # the EXIF tag; 6 = "rotate 90 degrees clockwise to display"
 MODES = ("inline", "url", "exif")
@@ -169,7 +169,7 @@ def test_openai_chat_completions_answer_truly(shapes_server: TorchServe) -> None
 
     data = base64.b64encode(SAMPLE_IMAGE.read_bytes()).decode()
     content: list[Any] = [
-        {"type": "text", "text": "Which shape is on the right?"},
+        {"type": "text", "text": "What shape is blue?"},
         {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}},
     ]
     client = OpenAI(
@@ -178,7 +178,7 @@ def test_openai_chat_completions_answer_truly(shapes_server: TorchServe) -> None
     reply = client.chat.completions.create(
         model="llava", messages=[{"role": "user", "content": content}], max_tokens=MAX_NEW_TOKENS
     )
-    assert reply.choices[0].message.content == "The square is on the right."
+    assert reply.choices[0].message.content == shape_answer(SAMPLE, "blue")
 
 
 def test_the_chat_page_shows_true_answers(shapes_server: TorchServe) -> None:
@@ -203,15 +203,19 @@ def test_the_chat_page_shows_true_answers(shapes_server: TorchServe) -> None:
                 "document.querySelector('#notice').innerText.includes('New conversation')"
             )
             for turn, (question, kind) in enumerate(((QUESTION, "circle"), (FOLLOW_UP, "square"))):
+                before = page.inner_text("#usage")
                 page.fill("#prompt textarea", question)
                 page.click("#send")
-                page.wait_for_function(
-                    "([n, text]) => { const bots = document.querySelectorAll("
-                    "'#chat [data-testid=\"bot\"]'); return bots.length === n && "
-                    "bots[n - 1].innerText.trim() === text; }",
-                    arg=[turn + 1, colour_answer(SAMPLE, kind)],
+                page.wait_for_function(  # the answer has streamed in: its own usage line shows
+                    "([prev, n]) => { const t = document.querySelector('#usage').innerText;"
+                    " const bots = document.querySelectorAll('#chat [data-testid=\"bot\"]');"
+                    " return t.includes('tokens generated') && t !== prev && bots.length === n; }",
+                    arg=[before, turn + 1],
                     timeout=60_000,
                 )
+                bots = page.locator("#chat [data-testid='bot']").all_inner_texts()
+                assert len(bots) == turn + 1
+                assert bots[-1].strip() == colour_answer(SAMPLE, kind)
             if os.environ.get("LLAVA_CHAT_SCREENSHOT"):
                 page.screenshot(path=os.environ["LLAVA_CHAT_SCREENSHOT"], full_page=True)
             browser.close()

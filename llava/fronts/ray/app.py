@@ -58,7 +58,9 @@ def build(args: Mapping[str, Any]) -> Any:
         },
         health_check_period_s=5,
         graceful_shutdown_timeout_s=30,
-    )(LlavaReplica).bind(str(args["model_dir"]), str(args.get("model_name", "llava")), args.get("settings"))
+    )(LlavaReplica).bind(
+        str(args["model_dir"]), str(args.get("model_name", "llava")), args.get("settings")
+    )
     ingress = serve.deployment(
         name="Ingress", max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0}
     )(Ingress)
