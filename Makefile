@@ -28,7 +28,7 @@ S3_URI         ?=
 ECR_REPOSITORY ?=
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: help venv dev archive serve stop chat test test-gpu bench-gpu lint clean bench build-and-push deploy delete local-endpoint stress
+.PHONY: help venv dev archive serve stop chat test test-ray test-gpu bench-gpu lint clean bench build-and-push deploy delete local-endpoint stress
 
 help:
 	@echo "make serve   serve MODEL=$(MODEL) on 127.0.0.1:8080 with TorchServe (FRONT=ray: Ray Serve, REPLICAS=N)"
@@ -89,17 +89,17 @@ lint: venv
 	$(BIN)/mypy
 
 # LLAVA_GPU_LOGIC=cpu: the GPU suite (tests/gpu) runs its logic here, with tiny shapes.
-# Ray binds the machine's own address: where root can make one, the suite runs in a private
-# network namespace holding only loopback (LLAVA_NETNS=1 lets the Ray tests run there).
 PYTEST = LLAVA_GPU_LOGIC=cpu $(BIN)/python -m pytest -q -p no:cacheprovider
-NETNS := $(shell unshare -n true 2>/dev/null && command -v ip >/dev/null && echo yes)
 test: venv lint
-ifeq ($(NETNS),yes)
-	unshare -n sh -c 'ip link set lo up && LLAVA_NETNS=1 $(PYTEST)'
-else
-	@echo "no private network namespace here (needs root, unshare and ip): Ray's tests skip"
 	$(PYTEST)
-endif
+
+# The Ray Serve front's end-to-end tests. Ray binds the machine's own address, so they run in a
+# private network namespace holding only loopback (root, unshare and ip). Not yet part of
+# `make test`: under concurrent requests Ray's queue-length probes to a replica miss their
+# deadline and requests wait 10-60 s (docs/ray.md, "Known problems").
+test-ray: venv
+	unshare -n sh -c 'ip link set lo up && LLAVA_NETNS=1 $(PYTEST) tests/integration/test_ray_front.py \
+		tests/integration/test_sessions_api.py tests/integration/test_openai_api.py -k "ray"'
 
 # On a CUDA machine: 7B-shaped checkpoints built on the GPU in bf16, checked against transformers'
 # own pipeline (tests/gpu), then the figures (bench/gpu.py -> bench/results/gpu/). Where the

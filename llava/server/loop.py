@@ -13,7 +13,7 @@ import asyncio
 import itertools
 import logging
 import threading
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,8 +35,11 @@ class _Request:
 class StepLoop:
     """Step a service over every submitted request on one thread, until each is answered."""
 
-    def __init__(self, service: SessionService[Any, Any]) -> None:
+    def __init__(
+        self, service: SessionService[Any, Any], after_step: Callable[[], None] = lambda: None
+    ) -> None:
         self.service = service
+        self._after_step = after_step  # runs on the loop thread: what a front reads off it
         self._requests: dict[str, _Request] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -78,7 +81,9 @@ class StepLoop:
         while not self._stopping:
             with self._lock:
                 batch = list(self._requests.values())
-            if not batch and self.service.in_flight == 0:
+            if not batch:  # nothing to answer: roll back what callers left, then sleep
+                if self.service.in_flight:
+                    self.service.step([])
                 self._wake.wait()
                 self._wake.clear()
                 continue
@@ -93,3 +98,7 @@ class StepLoop:
                     if reply.last is not False:
                         with self._lock:  # answered: never stepped again
                             self._requests.pop(request.incoming.request_id, None)
+            try:
+                self._after_step()
+            except Exception:
+                log.exception("after-step hook failed")

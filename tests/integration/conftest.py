@@ -91,8 +91,8 @@ def server(model_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 
 def in_private_network() -> bool:
-    """Ray binds the machine's own address: its tests run only where `make test` put the suite
-    in a private network namespace holding only loopback."""
+    """Ray binds the machine's own address: its tests run only where `make test-ray` put them in
+    a private network namespace holding only loopback."""
     return os.environ.get("LLAVA_NETNS") == "1"
 
 
@@ -102,7 +102,7 @@ def ray_front(
 ) -> Iterator[RayServe]:
     """One Ray Serve front with two CPU replicas for the whole run, on the same checkpoint."""
     if not in_private_network():
-        pytest.skip("Ray runs only in a private network namespace: run `make test` as root")
+        pytest.skip("Ray runs only in a private network namespace: run `make test-ray` as root")
     front = RayServe(tiny_checkpoint, replicas=2, workdir=tmp_path_factory.mktemp("ray"))
     front.start()
     try:

@@ -14,7 +14,9 @@ from llava.api.headers import CLOSED_SESSION_HEADER, NEW_SESSION, NEW_SESSION_HE
 
 pytestmark = pytest.mark.integration
 
-EXPIRES = re.compile(r"^((?:r\d+-)?[0-9a-f]{40}); Expires=(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ)$")
+EXPIRES = re.compile(
+    r"^((?:r\d+x[a-z0-9]+-)?[0-9a-f]{40}); Expires=(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ)$"
+)
 ROUTES = ["/predictions/llava", "/invocations"]
 
 
@@ -62,7 +64,7 @@ def test_open_query_follow_up_close(front, client, route):
 
 def test_missing_session_header_also_opens(front, client):
     sid = open_session(client, front.url("/invocations"), data_uri(make_image(2)))
-    assert re.fullmatch(r"(r\d+-)?[0-9a-f]{40}", sid)
+    assert re.fullmatch(r"(r\d+x[a-z0-9]+-)?[0-9a-f]{40}", sid)
     post(client, front.url("/invocations"), {"type": "close_session"}, sid)
 
 

@@ -20,15 +20,22 @@ from ray.serve._private.common import RequestMetadata  # noqa: E402
 from ray.serve.request_router import PendingRequest  # noqa: E402
 
 from llava.fronts.ray.ingress import route_of  # noqa: E402
-from llava.fronts.ray.replica import rank_of, rank_prefix  # noqa: E402
+from llava.fronts.ray.replica import holder_of, replica_name  # noqa: E402
 from llava.fronts.ray.router import ORPHAN_WAIT_S, SessionAffinityRouter  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Id:
+    """What the router reads of a replica's id."""
+
+    unique_id: str
 
 
 @dataclass
 class Replica:
     """What the router reads of a running replica."""
 
-    replica_id: str
+    replica_id: Id
     routing_stats: dict[str, Any] = field(default_factory=dict)
 
 
@@ -53,20 +60,27 @@ def request(route: str | None, age_s: float = 0.0) -> PendingRequest:
 
 def choose(chosen: SessionAffinityRouter, pending: PendingRequest) -> list[list[str]]:
     ranked = asyncio.run(chosen.choose_replicas(list(chosen.curr_replicas.values()), pending))
-    return [[r.replica_id for r in rank] for rank in ranked]
+    return [[r.replica_id.unique_id for r in rank] for rank in ranked]
 
 
 def replicas(*loads: tuple[int, int]) -> list[Replica]:
     return [
-        Replica(f"id{rank}", {"rank": rank, "device_bytes": used, "sessions": count})
+        Replica(Id(f"id{rank}"), {"rank": rank, "device_bytes": used, "sessions": count})
         for rank, (used, count) in enumerate(loads)
     ]
 
 
-def test_a_session_goes_to_the_replica_its_id_names() -> None:
+def sid(rank: int, unique: str) -> str:
+    return replica_name(rank, unique) + "-" + "a" * 40
+
+
+def test_a_session_goes_to_the_replica_its_id_names_with_or_without_stats() -> None:
     chosen = router(replicas((10, 1), (0, 0)))
-    assert choose(chosen, request(rank_prefix(0) + "-" + "a" * 40)) == [["id0"]]
-    assert choose(chosen, request("r1-" + "b" * 40)) == [["id1"]]
+    assert choose(chosen, request(sid(0, "id0"))) == [["id0"]]
+    assert choose(chosen, request(sid(1, "id1"))) == [["id1"]]
+    for replica in chosen.curr_replicas.values():
+        replica.routing_stats = {}  # Ray hands a router its replicas' stats late
+    assert choose(chosen, request(sid(1, "id1"))) == [["id1"]]
 
 
 def test_new_sessions_go_where_the_fewest_bytes_are_not_the_fewest_sessions() -> None:
@@ -80,26 +94,28 @@ def test_a_burst_of_opens_spreads_before_the_stats_catch_up() -> None:
     for _ in range(4):
         pending = request(None)
         first = choose(chosen, pending)[0][0]
-        chosen.on_request_routed(pending, first, None)  # type: ignore[arg-type]
+        chosen.on_request_routed(pending, Id(first), None)  # type: ignore[arg-type]
         firsts.append(first)
     assert sorted(firsts) == ["id0", "id0", "id1", "id1"]
 
 
 def test_a_dead_replicas_session_waits_for_its_replacement_then_goes_anywhere() -> None:
     chosen = router(replicas((0, 0)))  # rank 1 is gone
-    orphan = "r1-" + "c" * 40
+    orphan = sid(1, "gone")
     waiting = request(orphan)
     assert choose(chosen, waiting) == []  # Ray backs off and asks again
     assert waiting.routing_context.should_backoff
     assert choose(chosen, request(orphan, age_s=ORPHAN_WAIT_S + 1)) == [["id0"]]
-    chosen._replicas["id9"] = Replica("id9", {"rank": 1, "device_bytes": 0, "sessions": 0})
+    replacement = Replica(Id("id9"), {"rank": 1, "device_bytes": 0, "sessions": 0})
+    chosen._replicas[replacement.replica_id] = replacement
     assert choose(chosen, request(orphan)) == [["id9"]]  # the replacement took rank 1
 
 
 def test_ids_without_a_rank_and_unparsable_bodies_route_as_new() -> None:
     chosen = router(replicas((5, 1), (1, 1)))
     assert choose(chosen, request("0" * 40))[0] == ["id1"]  # an id issued by TorchServe
-    assert rank_of("r12") == 12 and rank_of("x1") is None and rank_of(None) is None
+    assert holder_of("r12xab3") == (12, "ab3") and holder_of("r1") is None
+    assert holder_of("x1") is None and holder_of(None) is None
     assert route_of(b"not json", {"Content-Type": "application/json"}) is None
     assert route_of(b'{"session_id": "r1-x"}', {"Content-Type": "application/json"}) == "r1-x"
     header = {"X-Amzn-SageMaker-Session-Id": "r0-y"}

@@ -1,9 +1,10 @@
 """One Ray Serve replica: an assembled instance and its own step loop, answering raw requests.
 
 Each replica is its own process with its own engine, device budget and sessions. Its session ids
-start with its rank (`r0-...`): the router reads the rank back, so routing needs no shared
-table, and a replica that replaces a dead one takes its rank, its registry and its snapshots, so
-the dead replica's sessions come back where the disk is the same.
+start with its name, its rank and Ray's id for it (`r0xab12cd34-...`): the router reads the id
+back and finds the replica with no shared table. A replica that replaces a dead one takes its
+rank, and with it its registry and snapshots, so the dead replica's sessions come back where the
+disk is the same; the router finds it by that rank.
 """
 
 from __future__ import annotations
@@ -19,15 +20,16 @@ from llava.core.config import ServerConfig
 log = logging.getLogger(__name__)
 
 
-def rank_prefix(rank: int) -> str:
-    """Return the session id prefix of the replica of that rank."""
-    return f"r{rank}"
+def replica_name(rank: int, unique_id: str) -> str:
+    """Return a replica's name, which starts its session ids: its rank and Ray's id for it."""
+    return f"r{rank}x{unique_id}"
 
 
-def rank_of(prefix: str | None) -> int | None:
-    """Return the rank a session id prefix names, or None if it names none."""
-    if prefix and prefix[0] == "r" and prefix[1:].isdigit():
-        return int(prefix[1:])
+def holder_of(prefix: str | None) -> tuple[int, str] | None:
+    """Return the (rank, Ray id) a session id prefix names, or None if it names none."""
+    rank, sep, unique = (prefix or "").partition("x")
+    if prefix and sep and rank[:1] == "r" and rank[1:].isdigit() and unique.isalnum():
+        return int(rank[1:]), unique
     return None
 
 
@@ -43,8 +45,9 @@ class LlavaReplica:
         from llava.fronts.assembly import assemble, freeze_startup_objects
         from llava.server.loop import StepLoop
 
-        self.rank = int(serve.get_replica_context().rank.rank)
-        self.name = rank_prefix(self.rank)
+        context = serve.get_replica_context()
+        self.rank = int(context.rank.rank)
+        self.name = replica_name(self.rank, context.replica_id.unique_id)
         # Images are prepared on threads: a Ray worker process hangs starting the kit's spawned
         # image processes (measured with Ray 2.55), and each replica has its own process anyway.
         # torch gets the CPUs Ray gave the replica, not the machine's: replicas side by side
@@ -57,11 +60,13 @@ class LlavaReplica:
             Path(model_dir),
             config,
             model_name=model_name,
-            state_name=f"{model_name}-{self.name}",
+            state_name=f"{model_name}-r{self.rank}",
             id_prefix=self.name,
         )
         self.instance.service.usage_extra["replica"] = self.name
-        self.loop = StepLoop(self.instance.service)
+        self._stats: dict[str, Any] = {"rank": self.rank, "device_bytes": 0, "sessions": 0}
+        self._stats_version = -1
+        self.loop = StepLoop(self.instance.service, after_step=self._count_load)
         freeze_startup_objects()
         log.info("llava replica %s ready: %s", self.name, config)
 
@@ -82,10 +87,21 @@ class LlavaReplica:
             }
 
     def record_routing_stats(self) -> dict[str, Any]:
-        """Tell the router this replica's rank and load: device bytes and sessions held."""
+        """Tell the router this replica's rank and load: device bytes and sessions held.
+
+        Ray calls it on the replica's event loop, which also answers the router's queue-length
+        probes: it returns what the step loop last counted and never waits on the sessions'
+        lock (measured: waiting on it made probes miss their deadline and requests wait 30 s)."""
+        return dict(self._stats)
+
+    def _count_load(self) -> None:
+        """Count sessions and device bytes after a step that changed them (loop thread)."""
         store = self.instance.service.store
+        if store.version == self._stats_version:
+            return
+        self._stats_version = store.version
         tiers = self.instance.memory.tiers(store.snapshot())
-        return {
+        self._stats = {
             "rank": self.rank,
             "device_bytes": sum(t["device_bytes"] for t in tiers.values()),
             "sessions": sum(t["sessions"] for t in tiers.values()),

@@ -1,15 +1,16 @@
 """Session affinity for Ray Serve: a session's requests go to the replica that holds it.
 
 A request carries its session id as `route` (None for anything that opens or needs no session).
-The id starts with the rank of the replica that issued it (`r1-...`), and each replica reports
-its rank and load in its routing stats, so the router needs no shared table. A new session goes
-to the replica holding the fewest device bytes (not the fewest sessions: one long conversation
-can outweigh many short ones).
+The id starts with the name of the replica that issued it (`r1xab12cd34-...`: its rank and Ray's
+id for it), so the router needs no shared table. A new session goes to the replica holding the
+fewest device bytes (not the fewest sessions: one long conversation can outweigh many short
+ones), as its routing stats report them, counting the opens sent since.
 
-A session whose replica is gone waits (with Ray's backoff) for a replica of that rank: Ray gives a
-replacement the rank of the replica it replaces, and the replacement restores that replica's
-sessions from their snapshots. After `ORPHAN_WAIT_S` with none, it goes to the least loaded
-replica, which answers `session_not_found`.
+A session whose replica is gone waits (with Ray's backoff) for a replica of the same rank: Ray
+gives a replacement the rank of the replica it replaces, the replacement reports it in its
+routing stats, and it restores that replica's sessions from their snapshots. After
+`ORPHAN_WAIT_S` with none, it goes to the least loaded replica, which answers
+`session_not_found`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from ray.serve.request_router import (
 )
 
 from llava.core.ids import id_prefix
-from llava.fronts.ray.replica import rank_of
+from llava.fronts.ray.replica import holder_of
 
 ORPHAN_WAIT_S = 60.0
 
@@ -46,9 +47,11 @@ class SessionAffinityRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         """Return the replica that holds the request's session, or the least loaded first."""
         route = _route(pending_request)
-        rank = rank_of(id_prefix(route)) if route else None
-        if rank is not None:
-            holder = [r for r in candidate_replicas if r.routing_stats.get("rank") == rank]
+        named = holder_of(id_prefix(route)) if route else None
+        if named is not None:
+            rank, unique = named
+            holder = [r for r in candidate_replicas if r.replica_id.unique_id == unique]
+            holder = holder or [r for r in candidate_replicas if _stats(r).get("rank") == rank]
             if holder:
                 return [holder]
             waited = time.time() - pending_request.created_at if pending_request else 0.0
@@ -68,14 +71,19 @@ class SessionAffinityRouter(RequestRouter):
             self._opens[replica_id] = (stats, (count if seen == stats else 0) + 1)
 
     def _load(self, replica: RunningReplica) -> float:
-        """Device bytes held, plus a session's average for each open routed since the stats."""
-        stats: dict[str, Any] = dict(replica.routing_stats or {})
-        if "device_bytes" not in stats:
-            return float("inf")  # not reported yet: only if no other replica has
+        """Device bytes held, plus a session's average for each open routed since the stats
+        (Ray refreshes the stats it hands a router every few seconds, or not yet at all)."""
+        stats = _stats(replica)
         seen, count = self._opens.get(replica.replica_id, (stats, 0))
         recent = count if seen == stats else 0
-        average = stats["device_bytes"] / stats["sessions"] if stats.get("sessions") else 1.0
-        return stats["device_bytes"] + recent * average
+        used = stats.get("device_bytes", 0)
+        average = used / stats["sessions"] if stats.get("sessions") else 1.0
+        return used + recent * average
+
+
+def _stats(replica: RunningReplica) -> dict[str, Any]:
+    """Return the routing stats a replica last reported ({} before its first report)."""
+    return dict(replica.routing_stats or {})
 
 
 def _route(pending_request: PendingRequest | None) -> str | None:
