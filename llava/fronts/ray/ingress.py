@@ -70,6 +70,8 @@ class Ingress:
             "media_type": first["content_type"],
         }
         if first["last"] is not False:
+            async for _ in replies:  # ends at once: lets Ray close the call on the replica
+                pass
             return Response(first["body"], **head)
         return StreamingResponse(_rest(first["body"], replies), **head)
 
