@@ -77,8 +77,12 @@ def test_a_killed_replica_loses_no_other_replicas_sessions_and_its_own_come_back
     ray_front: RayServe, reference: Reference
 ) -> None:
     url = ray_front.url("/invocations")
-    runs = [converse(url, 200 + seed, PROMPTS[:1]) for seed in range(4)]
-    assert {rank(sid) for sid, _ in runs} == {"r0", "r1"}
+    # Opens go where the fewest bytes are, which depends on what earlier tests left open:
+    # open until each replica holds one of this test's sessions.
+    runs: list[tuple[str, list[dict[str, Any]]]] = []
+    while {rank(sid) for sid, _ in runs} != {"r0", "r1"}:
+        assert len(runs) < 12, f"12 opens all went to {runs[0][0]}'s replica"
+        runs.append(converse(url, 200 + len(runs), PROMPTS[:1]))
     pids = ray_front.replica_pids()
     assert len(pids) == 2
     os.kill(pids[0], signal.SIGKILL)

@@ -8,6 +8,7 @@ replicas that report stats (the end-to-end routing is in tests/integration/test_
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +40,9 @@ class Replica:
     routing_stats: dict[str, Any] = field(default_factory=dict)
 
 
+IDS = itertools.count()
+
+
 def router(replicas: list[Replica]) -> SessionAffinityRouter:
     made = SessionAffinityRouter.__new__(SessionAffinityRouter)
     made._replicas = {r.replica_id: r for r in replicas}  # what Ray's update_replicas keeps
@@ -51,7 +55,7 @@ def request(route: str | None, age_s: float = 0.0) -> PendingRequest:
         return PendingRequest(
             args=[b"{}", {}],
             kwargs={"route": route},
-            metadata=RequestMetadata(request_id="r", internal_request_id="i"),
+            metadata=RequestMetadata(request_id="r", internal_request_id=str(next(IDS))),
             created_at=time.time() - age_s,
         )
 
@@ -97,6 +101,27 @@ def test_a_burst_of_opens_spreads_before_the_stats_catch_up() -> None:
         chosen.on_request_routed(pending, Id(first), None)  # type: ignore[arg-type]
         firsts.append(first)
     assert sorted(firsts) == ["id0", "id0", "id1", "id1"]
+
+
+def test_opens_chosen_at_once_spread_before_any_is_sent() -> None:
+    # Ray's routing tasks choose concurrently: each waits on a probe before sending.
+    chosen = router(replicas((0, 0), (0, 0)))
+    pending = [request(None) for _ in range(4)]
+    firsts = [choose(chosen, p)[0][0] for p in pending]
+    assert sorted(firsts) == ["id0", "id0", "id1", "id1"]
+    again = choose(chosen, pending[0])[0][0]  # a retry of one is not counted twice
+    assert again == firsts[0]
+    chosen.on_request_routed(pending[0], Id("id1"), None)  # type: ignore[arg-type]
+    assert choose(chosen, request(None))[0][0] == "id0"  # it went to id1 after all
+
+
+def test_new_stats_replace_the_opens_counted_before_them() -> None:
+    chosen = router(replicas((0, 0), (0, 0)))
+    for _ in range(3):
+        choose(chosen, request(None))
+    reported = Replica(Id("id0"), {"rank": 0, "device_bytes": 400, "sessions": 2})
+    chosen._replicas[reported.replica_id] = reported  # id0 reports its two sessions
+    assert chosen._load(reported) == 400
 
 
 def test_a_dead_replicas_session_waits_for_its_replacement_then_goes_anywhere() -> None:

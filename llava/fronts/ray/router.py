@@ -11,10 +11,19 @@ gives a replacement the rank of the replica it replaces, the replacement reports
 routing stats, and it restores that replica's sessions from their snapshots. After
 `ORPHAN_WAIT_S` with none, it goes to the least loaded replica, which answers
 `session_not_found`.
+
+Ray 2.55's routing tasks assume a FIFO router (any task may hand its replica to the oldest
+request); a router that answers one request at a time, as this one must, loses two things there
+(ray-project/ray#66325): a task with no request left spins without yielding (measured: the
+ingress's router loop at 100% CPU, probe replies unread, follow-ups waiting 10-70 s), and a
+task over the target count drops the request it took. `_fulfill_pending_requests` is replaced
+by one that routes each request it takes to the end and stops when none is left.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from typing import Any
 
@@ -29,6 +38,8 @@ from ray.serve.request_router import (
 from llava.core.ids import id_prefix
 from llava.fronts.ray.replica import holder_of
 
+log = logging.getLogger(__name__)
+
 ORPHAN_WAIT_S = 60.0
 
 
@@ -36,9 +47,10 @@ class SessionAffinityRouter(RequestRouter):
     """Route by the rank in the session id; open new sessions where the fewest bytes are."""
 
     def initialize_state(self, **kwargs: Any) -> None:
-        """Count the opens sent to each replica since its last stats, so a burst of opens
-        spreads instead of all going to the replica that was emptiest a second ago."""
-        self._opens: dict[ReplicaID, tuple[dict[str, Any], int]] = {}
+        """Count the opens placed on each replica since its last stats (by request id), so a
+        burst of opens spreads instead of all going to the replica that was emptiest a second
+        ago: routed or still being routed, as concurrent routing tasks choose at once."""
+        self._opens: dict[ReplicaID, tuple[dict[str, Any], set[str]]] = {}
 
     async def choose_replicas(
         self,
@@ -58,27 +70,80 @@ class SessionAffinityRouter(RequestRouter):
             if waited < ORPHAN_WAIT_S:
                 pending_request.routing_context.should_backoff = True  # type: ignore[union-attr]
                 return []  # its replica (or its replacement) is starting: wait for it
-        return [[replica] for replica in sorted(candidate_replicas, key=self._load)]
+        ranked = sorted(candidate_replicas, key=self._load)
+        if ranked and pending_request is not None:
+            self._place(pending_request, ranked[0].replica_id)
+        return [[replica] for replica in ranked]
+
+    async def _fulfill_pending_requests(self) -> None:
+        """Route the waiting requests one by one, each to the end; stop when none is left.
+
+        Replaces Ray's loop (same name, run as a routing task) for the reasons above."""
+        try:
+            while (request := self._get_next_pending_request_to_route()) is not None:
+                await self._route(request)
+        except Exception:
+            log.exception("session affinity router: routing task failed")
+        finally:
+            self._routing_tasks.discard(asyncio.current_task(loop=self._event_loop))
+            self.num_routing_tasks_gauge.set(self.curr_num_routing_tasks)
+
+    async def _route(self, request: PendingRequest) -> None:
+        """Hand one request the replica `choose_replicas` names, once it accepts (Ray's probe
+        and backoff), unless its caller gave up first."""
+        attempt = 0
+        choices = self._choose_replicas_with_backoff(request)
+        try:
+            async for candidates in choices:
+                self._forget_answered()
+                if request.future.done():  # cancelled while it waited
+                    return
+                replica = await self._select_from_candidate_replicas(candidates, attempt)
+                if replica is not None:
+                    self._fulfill_next_pending_request(replica, request.metadata)
+                    return
+                attempt += 1
+        finally:
+            await choices.aclose()
+
+    def _forget_answered(self) -> None:
+        """Drop answered and cancelled requests from the front of Ray's queue, which counts
+        the routing tasks Ray starts."""
+        queue = self._pending_requests_to_fulfill
+        while queue and queue[0].future.done():
+            queue.popleft()
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
     ) -> None:
-        """Count an open (a request with no session to follow) against its replica."""
+        """Count an open (a request with no session to follow) where it was actually sent."""
         if _route(pending_request) is None:
-            replica = self.curr_replicas.get(replica_id)
-            stats = dict(replica.routing_stats) if replica is not None else {}
-            seen, count = self._opens.get(replica_id, (stats, 0))
-            self._opens[replica_id] = (stats, (count if seen == stats else 0) + 1)
+            self._place(pending_request, replica_id)
+
+    def _place(self, request: PendingRequest, replica_id: ReplicaID) -> None:
+        """Count one open on a replica (and on no other) until the replica's stats change."""
+        opened = request.metadata.internal_request_id
+        for _, placed in self._opens.values():
+            placed.discard(opened)
+        self._recent(replica_id).add(opened)
+
+    def _recent(self, replica_id: ReplicaID) -> set[str]:
+        """Return the opens placed on a replica since its current stats (new stats: none)."""
+        replica = self.curr_replicas.get(replica_id)
+        stats = _stats(replica) if replica is not None else {}
+        seen, placed = self._opens.get(replica_id, (stats, set()))
+        if seen != stats:
+            placed = set()
+        self._opens[replica_id] = (stats, placed)
+        return placed
 
     def _load(self, replica: RunningReplica) -> float:
-        """Device bytes held, plus a session's average for each open routed since the stats
-        (Ray refreshes the stats it hands a router every few seconds, or not yet at all)."""
+        """Device bytes held, plus a session's average for each open placed since the stats
+        (Ray refreshes the stats it hands a router every second or so, or not yet at all)."""
         stats = _stats(replica)
-        seen, count = self._opens.get(replica.replica_id, (stats, 0))
-        recent = count if seen == stats else 0
         used = stats.get("device_bytes", 0)
         average = used / stats["sessions"] if stats.get("sessions") else 1.0
-        return used + recent * average
+        return used + len(self._recent(replica.replica_id)) * average
 
 
 def _stats(replica: RunningReplica) -> dict[str, Any]:
