@@ -90,16 +90,18 @@ lint: venv
 
 # LLAVA_GPU_LOGIC=cpu: the GPU suite (tests/gpu) runs its logic here, with tiny shapes.
 PYTEST = LLAVA_GPU_LOGIC=cpu $(BIN)/python -m pytest -q -p no:cacheprovider
+# Then the Ray Serve front's end-to-end tests (two replicas; a two-node cluster). Ray binds the
+# machine's own address, so they run in a private network namespace holding only loopback
+# (root, unshare and ip, as on CI); `make test-ray` runs them alone.
+RAY_TESTS = unshare -n sh -c 'ip link set lo up && LLAVA_NETNS=1 $(PYTEST) \
+	tests/integration/test_ray_front.py tests/integration/test_sessions_api.py \
+	tests/integration/test_openai_api.py -k "ray"'
 test: venv lint
 	$(PYTEST)
+	$(RAY_TESTS)
 
-# The Ray Serve front's end-to-end tests. Ray binds the machine's own address, so they run in a
-# private network namespace holding only loopback (root, unshare and ip). Not yet part of
-# `make test`: under concurrent requests Ray's queue-length probes to a replica miss their
-# deadline and requests wait 10-60 s (docs/ray.md, "Known problems").
 test-ray: venv
-	unshare -n sh -c 'ip link set lo up && LLAVA_NETNS=1 $(PYTEST) tests/integration/test_ray_front.py \
-		tests/integration/test_sessions_api.py tests/integration/test_openai_api.py -k "ray"'
+	$(RAY_TESTS)
 
 # On a CUDA machine: 7B-shaped checkpoints built on the GPU in bf16, checked against transformers'
 # own pipeline (tests/gpu), then the figures (bench/gpu.py -> bench/results/gpu/). Where the

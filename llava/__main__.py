@@ -47,6 +47,7 @@ def _serve_ray(args: argparse.Namespace) -> None:
         host=args.host,
         port=args.port,
         address=args.address,
+        proxy_location=args.proxy_location,
     )
 
 
@@ -107,6 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
     ray.add_argument("--host", default="127.0.0.1")
     ray.add_argument("--port", type=int, default=8080)
     ray.add_argument("--address", default=None, help="a running Ray cluster (default: a new one)")
+    ray.add_argument(
+        "--proxy-location",
+        default="EveryNode",
+        choices=["EveryNode", "HeadOnly"],
+        help="where Ray runs HTTP proxies (HeadOnly: several nodes on one machine share a port)",
+    )
     ray.set_defaults(run=_serve_ray)
 
     chat = commands.add_parser(

@@ -332,3 +332,9 @@ def launch(app: Any) -> Iterator[str]:
         yield f"http://127.0.0.1:{port}/"
     finally:
         app.close()
+
+
+def in_private_network() -> bool:
+    """Ray binds the machine's own address: its tests run only where `make test-ray` put them in
+    a private network namespace holding only loopback."""
+    return os.environ.get("LLAVA_NETNS") == "1"

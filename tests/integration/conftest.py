@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -10,7 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import Reference
+from helpers import Reference, in_private_network
 
 from llava.fronts.ray.launcher import RayServe
 from llava.fronts.torchserve.launcher import TorchServe
@@ -88,12 +87,6 @@ def server(model_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         assert_no_worker_death(ts)
     finally:
         ts.stop()
-
-
-def in_private_network() -> bool:
-    """Ray binds the machine's own address: its tests run only where `make test-ray` put them in
-    a private network namespace holding only loopback."""
-    return os.environ.get("LLAVA_NETNS") == "1"
 
 
 @pytest.fixture(scope="session")

@@ -10,9 +10,9 @@ from typing import Any
 
 import httpx
 import pytest
-from helpers import Reference, ask, data_uri, make_image, open_session, post
+from helpers import Reference, ask, data_uri, in_private_network, make_image, open_session, post
 
-from llava.fronts.ray.launcher import RayServe
+from llava.fronts.ray.launcher import RayCluster, RayServe
 
 pytestmark = pytest.mark.integration
 PROMPTS = ["What is in the picture?", "And what else?"]
@@ -100,3 +100,31 @@ def test_a_killed_replica_loses_no_other_replicas_sessions_and_its_own_come_back
         tiers[rank(sid)].add(answer["usage"]["session_tier"])
     # One replica's sessions were rebuilt from their snapshots' features, the other's were kept.
     assert sorted(map(sorted, tiers.values())) == [["device"], ["features"]], tiers
+
+
+def test_two_nodes_each_hold_a_replica_and_answer_their_own_sessions(
+    tiny_checkpoint: Any, reference: Reference, tmp_path: Any
+) -> None:
+    # Two `ray start` nodes of one CPU each, as two machines: one replica fits on each.
+    if not in_private_network():
+        pytest.skip("Ray runs only in a private network namespace: run `make test-ray` as root")
+    with RayCluster(nodes=2, cpus_per_node=1, workdir=tmp_path / "cluster") as cluster:
+        front = RayServe(
+            tiny_checkpoint,
+            replicas=2,
+            workdir=tmp_path / "front",
+            address=cluster.address,
+            proxy_location="HeadOnly",  # both nodes are on this machine's one loopback
+        )
+        with front:
+            url = front.url("/invocations")
+            with ThreadPoolExecutor(4) as pool:
+                runs = list(pool.map(lambda seed: converse(url, 300 + seed, PROMPTS), range(4)))
+    nodes = {}
+    for seed, (sid, answers) in enumerate(runs):
+        assert len({a["usage"]["node"] for a in answers}) == 1, answers  # never moved
+        nodes[sid] = answers[0]["usage"]["node"]
+        assert [a["text"] for a in answers] == reference.answers(
+            make_image(300 + seed), PROMPTS, TOKENS
+        )
+    assert len(set(nodes.values())) == 2, nodes  # sessions on both nodes

@@ -35,12 +35,14 @@ class RayServe:
         workdir: str | Path | None = None,
         env: dict[str, str] | None = None,
         address: str | None = None,
+        proxy_location: str = "EveryNode",
     ) -> None:
         self.model_dir = Path(model_dir)
         self.replicas = replicas
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="llava-ray-"))
         self.port = free_port()
         self.address = address
+        self.proxy_location = proxy_location
         self.env = env or {}
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -56,15 +58,10 @@ class RayServe:
         self.workdir.mkdir(parents=True, exist_ok=True)
         command = [sys.executable, "-m", "llava", "serve-ray", "--model", str(self.model_dir)]
         command += ["--replicas", str(self.replicas), "--port", str(self.port)]
+        command += ["--proxy-location", self.proxy_location]
         if self.address:
             command += ["--address", self.address]
-        env = {
-            **os.environ,
-            "LLAVA_SESSION_REGISTRY_DIR": str(self.workdir / "registry"),
-            "LLAVA_SNAPSHOT_DIR": str(self.workdir / "snapshots"),
-            "RAY_USAGE_STATS_ENABLED": "0",
-            **self.env,
-        }
+        env = {**os.environ, **state_env(self.workdir), **self.env}
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 command, cwd=self.workdir, env=env, stdout=log, stderr=subprocess.STDOUT
@@ -105,6 +102,87 @@ class RayServe:
         return "\n".join(self.logs().splitlines()[-lines:])
 
     def __enter__(self) -> RayServe:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def state_env(workdir: Path) -> dict[str, str]:
+    """The environment that puts a front's session registry and snapshots under workdir (a
+    replica inherits it from the process that started its node)."""
+    return {
+        "LLAVA_SESSION_REGISTRY_DIR": str(workdir / "registry"),
+        "LLAVA_SNAPSHOT_DIR": str(workdir / "snapshots"),
+        "RAY_USAGE_STATS_ENABLED": "0",
+    }
+
+
+class RayCluster:
+    """A Ray cluster of `ray start` nodes on this machine, each with its own CPUs: a head, then
+    workers joining it, as on separate machines (`ray start --block`, stopped by SIGTERM)."""
+
+    def __init__(self, nodes: int = 2, cpus_per_node: int = 1, workdir: str | Path | None = None):
+        self.nodes = nodes
+        self.cpus = cpus_per_node
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="llava-raycluster-"))
+        self.port = free_port()
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 120.0) -> RayCluster:
+        """Start the head and the workers; return once Ray counts every node alive."""
+        ray = str(Path(sys.executable).with_name("ray"))
+        common = ["--block", "--num-cpus", str(self.cpus), "--num-gpus", "0"]
+        common += ["--node-ip-address", "127.0.0.1", "--disable-usage-stats"]
+        head = [ray, "start", "--head", "--port", str(self.port), "--include-dashboard=false"]
+        env = {**os.environ, **state_env(self.workdir)}
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        for node in range(self.nodes):
+            command = head if node == 0 else [ray, "start", "--address", self.address]
+            with open(self.workdir / f"node{node}.log", "ab") as log:
+                self.procs.append(
+                    subprocess.Popen(
+                        command + common, env=env, stdout=log, stderr=subprocess.STDOUT
+                    )
+                )
+            self._wait_for(node + 1, time.monotonic() + timeout_s)
+        return self
+
+    def _wait_for(self, nodes: int, deadline: float) -> None:
+        """Wait until the cluster has `nodes` active nodes (as `ray status` lists them)."""
+        ray = str(Path(sys.executable).with_name("ray"))
+        while True:
+            status = subprocess.run(
+                [ray, "status", "--address", self.address],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            active = status.stdout.partition("Active:")[2].partition("Pending:")[0]
+            if active.count(" node_") >= nodes:
+                return
+            if time.monotonic() > deadline or any(p.poll() is not None for p in self.procs):
+                self.stop()
+                raise RuntimeError(f"Ray node {nodes} did not start: see {self.workdir}")
+            time.sleep(1)
+
+    def stop(self) -> None:
+        """Stop the workers, then the head (each `ray start --block` stops what it started)."""
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        self.procs = []
+
+    def __enter__(self) -> RayCluster:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

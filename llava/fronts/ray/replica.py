@@ -64,6 +64,7 @@ class LlavaReplica:
             id_prefix=self.name,
         )
         self.instance.service.usage_extra["replica"] = self.name
+        self.instance.service.usage_extra["node"] = ray.get_runtime_context().get_node_id()[:12]
         self._stats: dict[str, Any] = {"rank": self.rank, "device_bytes": 0, "sessions": 0}
         self._stats_version = -1
         self.loop = StepLoop(self.instance.service, after_step=self._count_load)
