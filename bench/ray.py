@@ -1,7 +1,10 @@
 """The Ray Serve front against itself and against TorchServe, side by side in one run.
 
-    python bench/ray.py                  # the default model; re-runs itself in a private network
-                                         # namespace (Ray binds the machine's address): needs root
+    python bench/ray.py                  # re-runs itself in a private network namespace (Ray binds
+                                         # the machine's address): needs root
+
+The model is the random-weight llava15 (its answers run to the token limit, so decode is
+measured; the trained `shapes` stops after a few words).
 
 Figures (bench/results/ray.json and the terminal):
 - decode tokens/s of 8 concurrent streamed answers with 1 and with 2 replicas on this machine;
@@ -92,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", default="shapes")
+    parser.add_argument("--model", default="llava15")
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args(argv)
     if os.environ.get("LLAVA_NETNS") != "1":

@@ -45,8 +45,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve_model(source: str, cache_dir: str | Path = "build/models") -> Path:
-    """Return a local checkpoint directory for `source`, building or downloading it if needed."""
-    cache_dir = Path(cache_dir)
+    """Return a local checkpoint directory for `source`, building or downloading it if needed
+    (absolute: it is handed to processes started elsewhere, e.g. Ray's replicas)."""
+    cache_dir = Path(cache_dir).resolve()
     if source in TRAINED:
         if not (TRAINED[source] / "config.json").is_file():
             raise SystemExit(
@@ -62,7 +63,7 @@ def resolve_model(source: str, cache_dir: str | Path = "build/models") -> Path:
             print(f"building the random-weight '{source}' checkpoint in {target}", file=sys.stderr)
             build_checkpoint(target, profile=source, overwrite=True)
         return target
-    local = Path(source).expanduser()
+    local = Path(source).expanduser().resolve()
     if local.is_dir():
         if not (local / "config.json").is_file():
             raise SystemExit(f"{local} is not a checkpoint directory (no config.json)")
