@@ -37,7 +37,7 @@ help:
 	@echo "make stress  soak ($(STRESS_CYCLES) open/ask/close cycles) and $(STRESS_SESSIONS) concurrent sessions; prints figures"
 	@echo "make bench   benchmark the session cache against the reference design (minutes)"
 	@echo "make test-gpu / bench-gpu   7B-shaped checks and figures on a CUDA machine (GPU_PY=python3 there)"
-	@echo "make local-endpoint      a local SageMaker runtime on 127.0.0.1:8090 in front of 2 TorchServes"
+	@echo "make local-endpoint      a local SageMaker runtime on 127.0.0.1:8090 in front of 2 TorchServes (FRONT=ray: a Ray Serve)"
 	@echo "make build-and-push      build the SageMaker image, push it to ECR (REPOSITORY=$(REPOSITORY))"
 	@echo "make deploy IMAGE_URI=... ROLE_ARN=... BUCKET=...   upload MODEL=$(MODEL), deploy endpoint $(ENDPOINT)"
 	@echo "make delete [S3_URI=...] [ECR_REPOSITORY=...]       delete endpoint $(ENDPOINT)"
@@ -72,8 +72,14 @@ endif
 chat: venv
 	$(BIN)/python -m llava chat --url http://127.0.0.1:8080/predictions/$(NAME)
 
+ifeq ($(FRONT),ray)
+local-endpoint: venv
+	$(BIN)/python -m llava local-endpoint --front ray --source $(MODEL) --instances 1 \
+		--replicas $(REPLICAS) --name $(NAME)
+else
 local-endpoint: archive
 	$(BIN)/python -m llava local-endpoint --model-store $(STORE) --model $(NAME)
+endif
 
 stop:
 	-$(BIN)/torchserve --stop
@@ -95,7 +101,7 @@ PYTEST = LLAVA_GPU_LOGIC=cpu $(BIN)/python -m pytest -q -p no:cacheprovider
 # (root, unshare and ip, as on CI); `make test-ray` runs them alone.
 RAY_TESTS = unshare -n sh -c 'ip link set lo up && LLAVA_NETNS=1 $(PYTEST) \
 	tests/integration/test_ray_front.py tests/integration/test_sessions_api.py \
-	tests/integration/test_openai_api.py -k "ray"'
+	tests/integration/test_openai_api.py tests/integration/test_local_runtime.py -k "ray"'
 test: venv lint
 	$(PYTEST)
 	$(RAY_TESTS)

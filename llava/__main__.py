@@ -33,6 +33,9 @@ def _local_endpoint(args: argparse.Namespace) -> None:
         instances=args.instances,
         model_store=args.model_store,
         model=args.model,
+        front=args.front,
+        source=args.source,
+        replicas=args.replicas,
     )
 
 
@@ -97,6 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--instances", type=int, default=2, help="TorchServe instances")
     local.add_argument("--model-store", default="model-store")
     local.add_argument("--model", default="llava", help="model name in the model store")
+    local.add_argument(
+        "--front",
+        default="torchserve",
+        choices=["torchserve", "ray"],
+        help="each instance's server",
+    )
+    local.add_argument("--source", default="shapes", help="--front ray: the checkpoint to serve")
+    local.add_argument("--replicas", type=int, default=0, help="--front ray: replicas per instance")
     local.set_defaults(run=_local_endpoint)
 
     ray = commands.add_parser(

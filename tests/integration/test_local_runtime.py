@@ -1,4 +1,5 @@
-"""The local SageMaker runtime in front of two real TorchServes, driven by an unmodified boto3
+"""The local SageMaker runtime in front of two real TorchServes (and of a Ray Serve front with two
+replicas, in `make test`'s Ray pass), driven by an unmodified boto3
 `sagemaker-runtime` client: sticky sessions, streaming as event-stream frames, the router's
 and the container's errors in the shapes botocore parses, and the session client on top."""
 
@@ -34,8 +35,12 @@ def reference(tiny_checkpoint):
     return Reference(tiny_checkpoint)
 
 
-@pytest.fixture(scope="module")
-def instances(model_store, tmp_path_factory):
+@pytest.fixture(scope="module", params=["torchserve", "ray"])
+def instances(request, model_store, tmp_path_factory):
+    """Two TorchServe containers, or one Ray Serve container (two replicas inside)."""
+    if request.param == "ray":
+        yield [request.getfixturevalue("ray_front")]
+        return
     with running_servers(model_store, tmp_path_factory, 2, "ts") as servers:
         yield servers
 
@@ -90,7 +95,8 @@ def test_many_sessions_stick_to_their_instance(smr, runtime, reference):
     seeds = list(range(40, 52))
     sids = {seed: open_session(smr, seed) for seed in seeds}
     pinned = {seed: runtime.routes[sid] for seed, sid in sids.items()}
-    assert sorted(pinned.values()) == [0] * 6 + [1] * 6  # least-loaded: both instances used
+    # least-loaded: every instance used
+    assert sorted(pinned.values()) == sorted(i % len(runtime.instances) for i in range(12))
 
     def converse(seed: int) -> list[str]:
         answers = []

@@ -1,4 +1,5 @@
-"""`python -m llava local-endpoint`: start N TorchServes and the local runtime in front of them."""
+"""`python -m llava local-endpoint`: start N containers (TorchServes, or Ray Serve fronts) and the
+local runtime in front of them."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ log = logging.getLogger(__name__)
 
 BANNER = """
 Local SageMaker runtime for endpoint '{name}' on {url}
-({n} TorchServe instance(s) of model '{model}' on ports {ports}). In another terminal:
+({n} {front} instance(s) of model '{model}' on ports {ports}). In another terminal:
 
   export AWS_ENDPOINT_URL_SAGEMAKER_RUNTIME={url}
   export AWS_ACCESS_KEY_ID=local AWS_SECRET_ACCESS_KEY=local AWS_DEFAULT_REGION=us-east-1
@@ -43,37 +44,40 @@ def serve(
     instances: int = 2,
     model_store: str | Path = "model-store",
     model: str = "llava",
+    front: str = "torchserve",
+    source: str = "shapes",
+    replicas: int = 0,
 ) -> None:
-    """Start `instances` TorchServes and the runtime in front; block until Ctrl-C, then stop."""
+    """Start `instances` containers and the runtime in front; block until Ctrl-C, then stop.
+
+    A TorchServe serves `model` from `model_store`; a Ray Serve front (`front="ray"`) serves the
+    checkpoint `source` with `replicas` replicas, as AWS's Ray Serve container would."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from llava.fronts.torchserve.launcher import TorchServe
-
-    store = Path(model_store)
-    if not (store / model).exists() and not any(store.glob(f"{model}.*")):
-        raise SystemExit(f"no model '{model}' in {store}: build it first with `make archive`")
     if instances < 1:
         raise SystemExit("--instances must be at least 1")
-    servers = [TorchServe(store, model) for _ in range(instances)]
+    servers = _containers(front, instances, Path(model_store), model, source, replicas)
     runtime: LocalRuntime | None = None
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        print(f"starting {instances} TorchServe instance(s)...", flush=True)
+        print(f"starting {instances} {front} instance(s)...", flush=True)
         with ThreadPoolExecutor(instances) as pool:
-            for future in [pool.submit(ts.start) for ts in servers]:
+            for future in [pool.submit(server.start) for server in servers]:
                 future.result()
-        runtime = LocalRuntime([ts.url() for ts in servers], name=name, host=host, port=port)
+        runtime = LocalRuntime(
+            [server.url() for server in servers], name=name, host=host, port=port
+        )
         runtime.start()
-        sample = SAMPLE_IMAGE
         print(
             BANNER.format(
                 name=name,
                 url=runtime.url,
                 n=instances,
-                model=model,
-                ports=", ".join(str(ts.port) for ts in servers),
+                front="Ray Serve" if front == "ray" else "TorchServe",
+                model=model if front != "ray" else source,
+                ports=", ".join(str(server.port) for server in servers),
                 python=sys.executable,
-                sample=sample,
+                sample=SAMPLE_IMAGE,
             ),
             flush=True,
         )
@@ -83,9 +87,26 @@ def serve(
     finally:
         if runtime is not None:
             runtime.stop()
-        for ts in servers:
-            ts.stop()
+        for server in servers:
+            server.stop()
         signal.signal(signal.SIGTERM, previous)
+
+
+def _containers(
+    front: str, count: int, store: Path, model: str, source: str, replicas: int
+) -> list[Any]:
+    """Return the (unstarted) containers the runtime forwards to."""
+    if front == "ray":
+        from llava.fronts.ray.launcher import RayServe
+        from llava.tools.archive import resolve_model
+
+        checkpoint = resolve_model(source)
+        return [RayServe(checkpoint, replicas=replicas) for _ in range(count)]
+    from llava.fronts.torchserve.launcher import TorchServe
+
+    if not (store / model).exists() and not any(store.glob(f"{model}.*")):
+        raise SystemExit(f"no model '{model}' in {store}: build it first with `make archive`")
+    return [TorchServe(store, model) for _ in range(count)]
 
 
 def _interrupt(signum: int, frame: Any) -> None:
