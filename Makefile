@@ -14,7 +14,7 @@ NAME   ?= llava
 STORE  ?= model-store
 TORCH_VERSION ?= 2.13.0
 # SageMaker: make build-and-push, then make deploy IMAGE_URI=... ROLE_ARN=... BUCKET=...
-REPOSITORY     ?= llava-sessions
+REPOSITORY     ?= llava-sessions$(if $(filter ray,$(FRONT)),-ray)
 TAG            ?=
 IMAGE_URI      ?=
 ROLE_ARN       ?=
@@ -130,7 +130,7 @@ stress: venv
 		tests/integration/test_soak.py tests/integration/test_load.py
 
 build-and-push:
-	./build_and_push.sh $(REPOSITORY) $(TAG)
+	FRONT=$(FRONT) ./build_and_push.sh $(REPOSITORY) $(TAG)
 
 deploy: venv
 	@test -n "$(IMAGE_URI)" || { echo "set IMAGE_URI= to the image URI printed by make build-and-push"; exit 1; }
@@ -138,7 +138,7 @@ deploy: venv
 	$(BIN)/python -m llava deploy --image-uri $(IMAGE_URI) --role-arn $(ROLE_ARN) \
 		$(if $(BUCKET),--bucket $(BUCKET)) $(if $(PREFIX),--prefix $(PREFIX)) \
 		--model $(MODEL) --name $(ENDPOINT) --instance-type $(INSTANCE_TYPE) \
-		--instance-count $(INSTANCE_COUNT) $(DEPLOY_FLAGS)
+		--instance-count $(INSTANCE_COUNT) --front $(FRONT) $(DEPLOY_FLAGS)
 
 delete: venv
 	$(BIN)/python -m llava delete --name $(ENDPOINT) $(if $(S3_URI),--s3-uri $(S3_URI)) \

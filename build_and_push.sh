@@ -18,7 +18,10 @@ Environment:
                   then `aws configure get region`.
   BASE_IMAGE      optional: another base image, passed as a build arg (e.g. the DLC account of an
                   opt-in or China region; see the Dockerfile).
-  MODEL_DIR       optional: an unpacked TorchServe archive (with MAR-INF/MANIFEST.json, made by
+  FRONT           torchserve (default: the Dockerfile, on the TorchServe-based PyTorch DLC) or ray
+                  (docker/ray/Dockerfile, on AWS's Ray Serve SageMaker container; default
+                  repository llava-sessions-ray; its model data is `python -m llava package-ray`).
+  MODEL_DIR       optional, FRONT=torchserve only: an unpacked TorchServe archive (with MAR-INF/MANIFEST.json, made by
                   `torch-model-archiver --archive-format no-archive`) inside this directory, baked
                   into /opt/ml/model. Deploy such an image WITHOUT ModelDataUrl.
 
@@ -61,7 +64,17 @@ fi
 context_dir="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cd "$context_dir"
 
-repository="${1:-llava-sessions}"
+front="${FRONT:-torchserve}"
+case "$front" in
+  torchserve) dockerfile=Dockerfile default_repository=llava-sessions ;;
+  ray) dockerfile=docker/ray/Dockerfile default_repository=llava-sessions-ray ;;
+  *) die "unknown FRONT=$front: use torchserve or ray" ;;
+esac
+if [[ "$front" == ray && -n "${MODEL_DIR:-}" ]]; then
+  die "MODEL_DIR is for FRONT=torchserve: the Ray image takes its weights as model data (python -m llava package-ray)"
+fi
+
+repository="${1:-$default_repository}"
 repository_re='^[a-z0-9]+([._-][a-z0-9]+)*(/[a-z0-9]+([._-][a-z0-9]+)*)*$'
 if ! [[ "$repository" =~ $repository_re ]] || ((${#repository} < 2 || ${#repository} > 256)); then
   die "invalid ECR repository name '$repository': use 2-256 lowercase letters, digits and . _ - / (e.g. llava-sessions)"
@@ -184,9 +197,9 @@ if [[ -n "${MODEL_DIR:-}" ]]; then
 fi
 build_args+=(--build-arg "VCS_REF=$revision")
 
-log "Building $repository:$tag (linux/amd64)"
+log "Building $repository:$tag from $dockerfile (linux/amd64)"
 docker buildx build --platform linux/amd64 --provenance=false --output type=docker \
-  "${build_args[@]}" -t "$repository:$tag" . >&2 ||
+  -f "$dockerfile" "${build_args[@]}" -t "$repository:$tag" . >&2 ||
   die "docker build failed (see above)"
 
 docker tag "$repository:$tag" "$image_uri"

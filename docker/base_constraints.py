@@ -23,6 +23,10 @@ from importlib.metadata import PackageNotFoundError, version
 
 # Without these the image cannot serve: pip must never replace them.
 REQUIRED = ("torch", "torchserve", "torch-model-archiver")
+# The same for the Ray Serve front's image, on AWS's Ray Serve container (`--front ray`): its Ray
+# is what its SageMaker entrypoint and the kit's router were built against, and its transformers
+# is AWS's tested one.
+REQUIRED_RAY = ("torch", "ray", "transformers")
 # Pinned when the base image has them, so that no dependency drags in a build that does not match
 # its torch (torchvision/torchaudio/triton are built against one torch release) or its toolkit.
 OPTIONAL = (
@@ -57,13 +61,19 @@ def constraints(
     return lines, missing
 
 
-def main() -> int:
-    lines, missing = constraints()
+def main(argv: list[str]) -> int:
+    ray = argv[1:] == ["--front", "ray"]
+    lines, missing = constraints(required=REQUIRED_RAY if ray else REQUIRED)
     if missing:
+        expected = (
+            "AWS's Ray Serve SageMaker container, e.g. "
+            "763104351884.dkr.ecr.<region>.amazonaws.com/ray:serve-ml-sagemaker-cuda-v1.1.0"
+            if ray
+            else "TorchServe-based SageMaker PyTorch inference DLC, e.g. "
+            "763104351884.dkr.ecr.<region>.amazonaws.com/pytorch-inference:2.6.0-gpu-py312-cu124-ubuntu22.04-sagemaker"
+        )
         print(
-            f"error: the base image has no {', '.join(missing)}. BASE_IMAGE must be a "
-            "TorchServe-based SageMaker PyTorch inference DLC, e.g. "
-            "763104351884.dkr.ecr.<region>.amazonaws.com/pytorch-inference:2.6.0-gpu-py312-cu124-ubuntu22.04-sagemaker",
+            f"error: the base image has no {', '.join(missing)}. BASE_IMAGE must be {expected}",
             file=sys.stderr,
         )
         return 1
@@ -72,4 +82,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from llava.tools.archive import add_model_arguments
 from llava.tools.tiny.profiles import PROFILES
@@ -39,14 +40,29 @@ def _local_endpoint(args: argparse.Namespace) -> None:
     )
 
 
-def _serve_ray(args: argparse.Namespace) -> None:
-    from llava.fronts.ray.app import serve_forever
+def _package_ray(args: argparse.Namespace) -> None:
+    from llava.fronts.ray.package import write_package
     from llava.tools.archive import resolve_model
 
-    serve_forever(
-        str(resolve_model(args.model, args.cache_dir)),
+    out = write_package(
+        resolve_model(args.model, args.cache_dir),
+        Path(args.out),
         model_name=args.name,
         replicas=args.replicas,
+    )
+    print(f"wrote {out}: upload it as the model data (make deploy FRONT=ray)")
+
+
+def _serve_ray(args: argparse.Namespace) -> None:
+    from llava.fronts.ray.app import serve_forever
+    from llava.fronts.ray.package import read_package
+    from llava.tools.archive import resolve_model
+
+    package = read_package(Path(args.config)) if args.config else {}
+    serve_forever(
+        package.get("model_dir") or str(resolve_model(args.model, args.cache_dir)),
+        model_name=package.get("model_name", args.name),
+        replicas=args.replicas or int(package.get("replicas", 0)),
         host=args.host,
         port=args.port,
         address=args.address,
@@ -120,12 +136,24 @@ def build_parser() -> argparse.ArgumentParser:
     ray.add_argument("--port", type=int, default=8080)
     ray.add_argument("--address", default=None, help="a running Ray cluster (default: a new one)")
     ray.add_argument(
+        "--config", default=None, help="a model package's config.yaml (`package-ray`): serve it"
+    )
+    ray.add_argument(
         "--proxy-location",
         default="EveryNode",
         choices=["EveryNode", "HeadOnly"],
         help="where Ray runs HTTP proxies (HeadOnly: several nodes on one machine share a port)",
     )
     ray.set_defaults(run=_serve_ray)
+
+    package = commands.add_parser(
+        "package-ray", help="write the model package AWS's Ray Serve SageMaker container reads"
+    )
+    add_model_arguments(package)
+    package.add_argument("--out", required=True, help="the package directory to write")
+    package.add_argument("--name", default="llava", help="the model's name in the API")
+    package.add_argument("--replicas", type=int, default=0, help="default: one per GPU")
+    package.set_defaults(run=_package_ray)
 
     chat = commands.add_parser(
         "chat", help="a chat page (Gradio) over an endpoint: needs the ui extra"

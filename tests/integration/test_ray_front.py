@@ -13,6 +13,7 @@ import pytest
 from helpers import Reference, ask, data_uri, in_private_network, make_image, open_session, post
 
 from llava.fronts.ray.launcher import RayCluster, RayServe
+from llava.fronts.ray.package import write_package
 
 pytestmark = pytest.mark.integration
 PROMPTS = ["What is in the picture?", "And what else?"]
@@ -128,3 +129,17 @@ def test_two_nodes_each_hold_a_replica_and_answer_their_own_sessions(
             make_image(300 + seed), PROMPTS, TOKENS
         )
     assert len(set(nodes.values())) == 2, nodes  # sessions on both nodes
+
+
+def test_a_sagemaker_model_package_serves_as_the_ray_image_runs_it(
+    tiny_checkpoint: Any, reference: Reference, tmp_path: Any
+) -> None:
+    # What docker/ray/serve runs: `serve-ray --config /opt/ml/model/config.yaml`.
+    if not in_private_network():
+        pytest.skip("Ray runs only in a private network namespace: run `make test-ray` as root")
+    package = write_package(tiny_checkpoint, tmp_path / "model", replicas=1)
+    front = RayServe("unused", workdir=tmp_path / "front", config=package / "config.yaml")
+    with front:
+        sid, answers = converse(front.url("/invocations"), 7, PROMPTS)
+    assert [a["text"] for a in answers] == reference.answers(make_image(7), PROMPTS, TOKENS)
+    assert sid.startswith("r0x")

@@ -897,6 +897,27 @@ def test_cli_deploy_and_delete_with_the_tiny_model(aws, tmp_path: Path, capsys) 
         sm.describe_endpoint(EndpointName="llava")
 
 
+def test_cli_deploy_front_ray_uploads_the_ray_containers_model_package(
+    aws, tmp_path: Path, capsys
+) -> None:
+    main(
+        ["deploy", "--image-uri", IMAGE, "--role-arn", ROLE, "--bucket", BUCKET]
+        + ["--prefix", "models/ray", "--model", "tiny", "--cache-dir", str(tmp_path / "models")]
+        + ["--instance-type", TYPE, "--front", "ray"]
+    )
+    assert "endpoint: llava (InService, us-east-1)" in capsys.readouterr().out
+    keys = _objects("models/ray/")
+    assert {
+        "models/ray/config.yaml",
+        "models/ray/deployment.py",
+        "models/ray/code/requirements.txt",
+        "models/ray/weights/config.json",
+        "models/ray/weights/model.safetensors",
+    } <= set(keys)
+    assert not any("MAR-INF" in key for key in keys)
+    assert b"import_path: deployment:build" in keys["models/ray/config.yaml"]
+
+
 def test_cli_errors_are_one_line(aws) -> None:
     with pytest.raises(SystemExit, match="^error: invalid SageMaker endpoint name 'my_llava'"):
         main(

@@ -146,3 +146,23 @@ def test_ids_without_a_rank_and_unparsable_bodies_route_as_new() -> None:
     header = {"X-Amzn-SageMaker-Session-Id": "r0-y"}
     assert route_of(b"", header) == "r0-y"
     assert route_of(b"{}", {"x-amzn-sagemaker-session-id": "NEW_SESSION"}) is None
+
+
+def test_the_model_package_is_a_serve_config_ray_accepts(tmp_path: Any) -> None:
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    from llava.fronts.ray.package import read_package, write_package
+
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text("{}")
+    package = write_package(checkpoint, tmp_path / "model", replicas=2)
+    config = yaml.safe_load((package / "config.yaml").read_text())
+    app = ServeDeploySchema.model_validate(config).applications[0]  # Ray's own schema
+    assert app.import_path == "deployment:build" and app.route_prefix == "/"
+    assert "from llava.fronts.ray.app import build" in (package / "deployment.py").read_text()
+    assert (package / "weights" / "config.json").is_file()
+    assert (package / "code" / "requirements.txt").is_file()
+    args = read_package(package / "config.yaml")
+    assert args["model_dir"] == str(package / "weights") and args["replicas"] == 2

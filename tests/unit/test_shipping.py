@@ -7,6 +7,7 @@ engine is needed.
 from __future__ import annotations
 
 import fnmatch
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -22,6 +23,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILE = REPO / "Dockerfile"
+RAY_DOCKERFILE = REPO / "docker" / "ray" / "Dockerfile"
 SCRIPT = REPO / "build_and_push.sh"
 
 ACCOUNT = "123456789012"
@@ -44,9 +46,10 @@ def _tool(name: str) -> str:
 # --- Linters --------------------------------------------------------------------------------------
 
 
-def test_hadolint_passes() -> None:
+@pytest.mark.parametrize("dockerfile", [DOCKERFILE, RAY_DOCKERFILE], ids=["torchserve", "ray"])
+def test_hadolint_passes(dockerfile: Path) -> None:
     result = subprocess.run(
-        [_tool("hadolint"), "--no-color", str(DOCKERFILE)],
+        [_tool("hadolint"), "--no-color", str(dockerfile)],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -66,7 +69,9 @@ def test_hadolint_ignores_are_justified() -> None:
 
 
 def _shell_scripts() -> list[Path]:
-    scripts = sorted({*REPO.glob("*.sh"), *(REPO / "docker").rglob("*.sh")})
+    scripts = sorted(
+        {*REPO.glob("*.sh"), *(REPO / "docker").rglob("*.sh"), REPO / "docker" / "ray" / "serve"}
+    )
     assert SCRIPT in scripts
     return scripts
 
@@ -519,6 +524,7 @@ def _expected(
     configure: bool = False,
     base_login: tuple[str, str] | None = None,
     extra_build_args: tuple[str, ...] = (),
+    dockerfile: str = "Dockerfile",
 ) -> list[list[str]]:
     registry = f"{ACCOUNT}.dkr.ecr.{region}.amazonaws.com"
     uri = f"{registry}/{repository}:{tag}"
@@ -545,7 +551,8 @@ def _expected(
     build_args += ["--build-arg", f"VCS_REF={revision}"]
     calls += [
         ["docker", "buildx", "build", "--platform", "linux/amd64", "--provenance=false"]
-        + ["--output", "type=docker", *build_args, "-t", f"{repository}:{tag}", "."],
+        + ["--output", "type=docker", "-f", dockerfile, *build_args]
+        + ["-t", f"{repository}:{tag}", "."],
         ["docker", "tag", f"{repository}:{tag}", uri],
         ["docker", "push", uri],
     ]
@@ -714,3 +721,54 @@ def test_help_documents_defaults_and_makes_no_calls(sandbox) -> None:
     for needle in ("llava-sessions", "short commit", "latest", "AWS_DEFAULT_REGION", "MODEL_DIR"):
         assert needle in run.stdout
     assert run.calls == []
+
+
+# --- The Ray Serve image ------------------------------------------------------------------------
+
+
+def test_front_ray_builds_the_ray_image_into_its_own_repository(sandbox) -> None:
+    run = sandbox.run(AWS_REGION="us-west-2", FRONT="ray")
+    expected = _expected("us-west-2", "llava-sessions-ray", dockerfile="docker/ray/Dockerfile")
+    _assert_pushed(run, expected, sandbox.dir)
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"FRONT": "tgi"}, "unknown FRONT=tgi"),
+        ({"FRONT": "ray", "MODEL_DIR": "model-store/llava"}, "MODEL_DIR is for FRONT=torchserve"),
+    ],
+)
+def test_front_mistakes_fail_before_any_aws_or_docker_work(sandbox, env, message) -> None:
+    run = sandbox.run(AWS_REGION="us-west-2", **env)
+    assert run.returncode != 0 and message in run.stderr
+    assert run.calls == []
+
+
+def test_ray_image_builds_on_aws_ray_serve_container_with_the_kit_s_entrypoint() -> None:
+    instructions = _instructions(RAY_DOCKERFILE)
+    first_from = next(i for i, (keyword, _) in enumerate(instructions) if keyword == "FROM")
+    args = _args(instructions[:first_from])
+    assert re.fullmatch(
+        rf"{DLC_ACCOUNT}\.dkr\.ecr\.\$\{{REGION\}}\.amazonaws\.com/ray:serve-ml-sagemaker-cuda-v1\.1\.0",
+        args["BASE_IMAGE"],
+    ), args["BASE_IMAGE"]  # a pinned tag: Ray 2.55.1, the release the router is written for
+    assert ("FROM", "${BASE_IMAGE}") in instructions
+    assert ("ENTRYPOINT", '["/usr/local/bin/serve"]') in instructions
+    assert ("COPY", "docker/ray/serve /usr/local/bin/serve") in instructions
+    run = " ".join(v for k, v in instructions if k == "RUN")
+    assert "base_constraints.py --front ray" in run and "[engine,ray,aws]" in run
+
+
+def test_ray_constraints_require_the_base_s_ray_torch_and_transformers() -> None:
+    helper = _load_helper()
+    assert set(helper.REQUIRED_RAY) == {"torch", "ray", "transformers"}
+    lines, missing = helper.constraints(
+        lambda name: (
+            {"torch": "2.9.0", "ray": "2.55.1"}[name]
+            if name in ("torch", "ray")
+            else (_ for _ in ()).throw(importlib.metadata.PackageNotFoundError(name))
+        ),
+        required=helper.REQUIRED_RAY,
+    )
+    assert lines == ["torch==2.9.0", "ray==2.55.1"] and missing == ["transformers"]

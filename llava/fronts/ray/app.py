@@ -29,12 +29,14 @@ def default_replicas(gpus: float) -> int:
 
 
 def build(args: Mapping[str, Any]) -> Any:
-    """Return the application: `model_dir` (required), `model_name`, `replicas`, `num_gpus`
-    (per replica), `settings` (ServerConfig fields, as in model-config.yaml)."""
+    """Return the application: `model_dir` (required; relative to /opt/ml/model, where SageMaker
+    puts a package), `model_name`, `replicas`, `num_gpus` (per replica), `settings`
+    (ServerConfig fields, as in model-config.yaml)."""
     import ray
     from ray import serve
 
     from llava.fronts.ray.ingress import Ingress
+    from llava.fronts.ray.package import PACKAGE_DIR
     from llava.fronts.ray.replica import LlavaReplica
     from llava.fronts.ray.router import SessionAffinityRouter
 
@@ -54,7 +56,9 @@ def build(args: Mapping[str, Any]) -> Any:
         health_check_period_s=5,
         graceful_shutdown_timeout_s=30,
     )(LlavaReplica).bind(
-        str(args["model_dir"]), str(args.get("model_name", "llava")), args.get("settings")
+        str(PACKAGE_DIR / args["model_dir"]),
+        str(args.get("model_name", "llava")),
+        args.get("settings"),
     )
     ingress = serve.deployment(
         name="Ingress", max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0}

@@ -36,8 +36,10 @@ class RayServe:
         env: dict[str, str] | None = None,
         address: str | None = None,
         proxy_location: str = "EveryNode",
+        config: Path | None = None,
     ) -> None:
         self.model_dir = Path(model_dir)
+        self.config = config  # a model package's config.yaml: served instead of model_dir
         self.replicas = replicas
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="llava-ray-"))
         self.port = free_port()
@@ -57,6 +59,8 @@ class RayServe:
         """Start the front and wait until every replica is up (the command prints ready)."""
         self.workdir.mkdir(parents=True, exist_ok=True)
         command = [sys.executable, "-m", "llava", "serve-ray", "--model", str(self.model_dir)]
+        if self.config is not None:
+            command += ["--config", str(self.config)]
         command += ["--replicas", str(self.replicas), "--port", str(self.port)]
         command += ["--proxy-location", self.proxy_location]
         if self.address:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 from llava.tools.archive import add_model_arguments
@@ -48,6 +49,12 @@ def add_deploy_arguments(parser: Any) -> None:
         help="the image holds the archive (MODEL_DIR=...): no upload, no model data",
     )
     parser.add_argument("--name", default="llava", help="endpoint name (default: llava)")
+    parser.add_argument(
+        "--front",
+        default="torchserve",
+        choices=["torchserve", "ray"],
+        help="the image's front (FRONT= of build_and_push.sh): what model data to build",
+    )
     parser.add_argument("--instance-type", default="ml.g5.2xlarge")
     parser.add_argument("--instance-count", type=int, default=1)
     parser.add_argument("--ttl", type=float, default=1200, help="session idle TTL in seconds")
@@ -146,7 +153,12 @@ def run_deploy(args: Any) -> Deployment:
 
                 model_dir = resolve_model(args.model, args.cache_dir)
                 with tempfile.TemporaryDirectory(prefix="llava-archive-") as tmp:
-                    archive = build_archive(model_dir, tmp, name="llava")
+                    if args.front == "ray":  # AWS's Ray Serve container's model package
+                        from llava.fronts.ray.package import write_package
+
+                        archive = write_package(model_dir, Path(tmp) / "llava")
+                    else:
+                        archive = build_archive(model_dir, tmp, name="llava")
                     upload_archive(archive, s3_uri, s3_client=s3)
         record = deploy(spec, sm_client=sm, wait=not args.no_wait, update=args.update)
     except (DeployError, ValueError) as exc:

@@ -28,7 +28,8 @@ def upload_archive(
     progress: ByteProgress | None = None,
     transfer_config: Any = None,
 ) -> str:
-    """Upload an unpacked TorchServe archive under an S3 prefix; return the prefix URI.
+    """Upload an unpacked TorchServe archive (or the Ray image's model package, with its
+    config.yaml) under an S3 prefix; return the prefix URI.
 
     Every file of `archive_dir` lands at `s3://bucket/prefix/<relative path>`, uncompressed,
     which is what SageMaker's `S3DataType=S3Prefix, CompressionType=None` copies to
@@ -40,12 +41,14 @@ def upload_archive(
     /opt/ml/model too and serve a mix of two archives. Objects with the same keys are replaced.
     """
     root = Path(archive_dir)
-    if not (root / "MAR-INF" / "MANIFEST.json").is_file():
+    ray_package = (root / "config.yaml").is_file() and (root / "deployment.py").is_file()
+    if not ray_package and not (root / "MAR-INF" / "MANIFEST.json").is_file():
         detail = "is not a directory" if not root.is_dir() else "has no MAR-INF/MANIFEST.json"
         raise DeployError(
             f"{root} {detail}: SageMaker needs an unpacked TorchServe archive. Build one with "
             "`python -m llava archive --format no-archive --out model-store` (the archive is "
-            "model-store/llava), not a .mar or .tar.gz"
+            "model-store/llava), not a .mar or .tar.gz; for the Ray image, `python -m llava "
+            "package-ray`"
         )
     bucket, prefix = parse_s3_uri(s3_uri)
     s3 = aws_client("s3", s3_client)
