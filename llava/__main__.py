@@ -26,6 +26,7 @@ def _build_tiny(args: argparse.Namespace) -> None:
 
 def _local_endpoint(args: argparse.Namespace) -> None:
     from llava.fronts.local_runtime.cli import serve
+    from llava.tools.archive import resolve_model
 
     serve(
         host=args.host,
@@ -35,7 +36,7 @@ def _local_endpoint(args: argparse.Namespace) -> None:
         model_store=args.model_store,
         model=args.model,
         front=args.front,
-        source=args.source,
+        checkpoint=resolve_model(args.source) if args.front == "ray" else "",
         replicas=args.replicas,
     )
 

@@ -45,6 +45,10 @@ class ServerConfig:
     # Sessions
     session_ttl_s: float = 1200.0
     max_sessions: int = 64
+    # Sessions opening at once (image loading, encoding, prefilling): past it a new open gets
+    # 429 with Retry-After, so an overloaded server refuses newcomers before the follow-ups of
+    # the conversations it holds wait behind a growing queue of images. 0 = no limit.
+    max_opening: int = 16
     # Memory tiers (0 = derived at start from the free memory: see engine/model/budget.py): past the
     # device budget the least recently used sessions' caches move to host memory; past the host
     # budget they keep only their image features (recomputed on their next turn); past that

@@ -112,6 +112,7 @@ def assemble(
     store = SessionStore(
         ttl_s=config.session_ttl_s,
         max_sessions=config.max_sessions,
+        max_opening=config.max_opening,
         memory=memory,
         release=release,
         journal=registry,

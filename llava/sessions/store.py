@@ -60,6 +60,7 @@ class SessionStore:
         *,
         ttl_s: float = 1200.0,
         max_sessions: int = 64,
+        max_opening: int = 0,
         memory: MemoryPolicy | None = None,
         budget_bytes: int | None = None,
         release: Callable[[Session, str], None] = lambda session, reason: None,
@@ -72,6 +73,7 @@ class SessionStore:
             raise ValueError("ttl_s and max_sessions must be positive")
         self.ttl_s = ttl_s
         self.max_sessions = max_sessions
+        self.max_opening = max_opening  # sessions opening at once (0 = no limit)
         if memory is None and budget_bytes is not None:
             memory = ByteBudget(budget_bytes)
         self.memory = memory
@@ -93,8 +95,16 @@ class SessionStore:
         """Reserve room for a new session or raise `CapacityExceeded` (429).
 
         Sessions kept for chats sent without a session header (`implicit`) are never pinned:
-        when every slot is taken, the least recently used idle one makes room."""
+        when every slot is taken, the least recently used idle one makes room. While
+        `max_opening` sessions are opening, a new one is refused: the server is past what it
+        can open without the conversations it holds waiting behind the queue."""
         with self._lock:
+            if self.max_opening and len(self._slots) >= self.max_opening:
+                raise CapacityExceeded(
+                    f"{len(self._slots)} sessions are opening already (max_opening); the server "
+                    "is at capacity: retry after the Retry-After seconds",
+                    retry_after_s=1,
+                )
             self.reap()
             if len(self._sessions) + len(self._slots) >= self.max_sessions:
                 idle = idle_sessions(list(self._sessions.values()), None)

@@ -113,6 +113,21 @@ def test_reserve_then_add_opens_a_session(store: SessionStore) -> None:
     assert len(store) == 1
 
 
+def test_past_max_opening_a_new_open_is_refused_until_one_finishes(
+    clock: FakeClock, releases: Releases
+) -> None:
+    store = make_store(clock, releases, max_opening=2, max_sessions=10)
+    first, second = store.reserve(), store.reserve()
+    with pytest.raises(CapacityExceeded, match="opening already") as refused:
+        store.reserve()
+    assert refused.value.retry_after_s == 1
+    store.add(first, object(), 1)  # one opened: room for one more opening
+    third = store.reserve()
+    store.cancel(second)
+    store.cancel(third)
+    assert store.stats() == {"sessions": 1, "opening": 0, "bytes": 1}
+
+
 def test_get_returns_the_session(store: SessionStore) -> None:
     session = open_one(store)
     assert store.get(session.id) is session

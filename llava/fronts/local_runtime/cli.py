@@ -45,18 +45,18 @@ def serve(
     model_store: str | Path = "model-store",
     model: str = "llava",
     front: str = "torchserve",
-    source: str = "shapes",
+    checkpoint: str | Path = "",
     replicas: int = 0,
 ) -> None:
     """Start `instances` containers and the runtime in front; block until Ctrl-C, then stop.
 
     A TorchServe serves `model` from `model_store`; a Ray Serve front (`front="ray"`) serves the
-    checkpoint `source` with `replicas` replicas, as AWS's Ray Serve container would."""
+    directory `checkpoint` with `replicas` replicas, as AWS's Ray Serve container would."""
     from concurrent.futures import ThreadPoolExecutor
 
     if instances < 1:
         raise SystemExit("--instances must be at least 1")
-    servers = _containers(front, instances, Path(model_store), model, source, replicas)
+    servers = _containers(front, instances, Path(model_store), model, Path(checkpoint), replicas)
     runtime: LocalRuntime | None = None
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
@@ -74,7 +74,7 @@ def serve(
                 url=runtime.url,
                 n=instances,
                 front="Ray Serve" if front == "ray" else "TorchServe",
-                model=model if front != "ray" else source,
+                model=model if front != "ray" else checkpoint,
                 ports=", ".join(str(server.port) for server in servers),
                 python=sys.executable,
                 sample=SAMPLE_IMAGE,
@@ -93,14 +93,12 @@ def serve(
 
 
 def _containers(
-    front: str, count: int, store: Path, model: str, source: str, replicas: int
+    front: str, count: int, store: Path, model: str, checkpoint: Path, replicas: int
 ) -> list[Any]:
     """Return the (unstarted) containers the runtime forwards to."""
     if front == "ray":
         from llava.fronts.ray.launcher import RayServe
-        from llava.tools.archive import resolve_model
 
-        checkpoint = resolve_model(source)
         return [RayServe(checkpoint, replicas=replicas) for _ in range(count)]
     from llava.fronts.torchserve.launcher import TorchServe
 
