@@ -1,8 +1,8 @@
-"""Load figures through TorchServe: stream gaps while sessions open, and open-loop capacity.
+"""Load figures through TorchServe: stream gaps while sessions open.
 
-    python bench/load.py                       # shapes: gaps, then capacity (tens of minutes)
-    python bench/load.py --only gaps           # a few minutes
-    python bench/load.py --rates 0.1 0.2 --conversations 8   # a quicker capacity sweep
+    python bench/load.py                       # a few minutes
+
+(Capacity at steady state, against the machine's bound: bench/capacity.py.)
 
 Stream gaps: one answer streams; after it has streamed quietly for a while, 4 sessions open
 with 1024x768 images at once (576 image tokens each on LLaVA-1.5). The figure is the stream's
@@ -13,13 +13,6 @@ side by side on two servers: the default step token budget (chunked prefill) and
 one (each open computed whole inside one step, as before chunking). The default budget is
 measured (engine/calibrate.py at start, engine/pacing.py on every step): a step's prefill work
 costs about 1.5 quiet steps, its chunks packed into the stream's decode forward.
-
-Capacity: conversations arrive at random (Poisson) at a given rate; each opens, asks 4 questions
-with a think time between them and closes (16-token answers). For each strategy - this kit's
-session cache, the pixel cache (the reference design: `cache_mode: pixels`) and stateless
-(`generate` with the image and the history every turn) - rates go up until the p95 time to
-first token of follow-up questions passes the SLO; a strategy's capacity is the highest rate
-that held it. Results: bench/results/load.json and the terminal (Markdown).
 """
 
 from __future__ import annotations
@@ -51,7 +44,6 @@ sys.path.insert(0, str(HERE))
 from drivers import (  # noqa: E402
     SCENE_PROMPTS,
     TRAINED,
-    generate_body,
     open_body,
     query_body,
     scene_uri,
@@ -230,84 +222,6 @@ def gap_runs(client: Client, opens: int, runs: int) -> dict[str, Any]:
     return {**worst, "median_gap_ratio": ratios[len(ratios) // 2], "runs": each}
 
 
-# -- capacity ----------------------------------------------------------------------------------
-
-
-def conversation(client: Client, strategy: str, seed: int, think_s: float) -> dict[str, Any]:
-    """Open (unless stateless), ask 4 questions with think time, close; follow-up TTFTs."""
-    image = client.work.picture(seed)
-    sid = client.open(image) if strategy != "stateless" else None
-    history: list[tuple[str, str]] = []
-    follow_ups, errors = [], 0
-    try:
-        for turn, prompt in enumerate(client.work.prompts):
-            if turn:
-                time.sleep(think_s)
-            if strategy == "stateless":
-                body = generate_body(image, history, prompt, 16, stream=True)
-            else:
-                body = query_body(prompt, 16, stream=True)
-            sent = time.perf_counter()
-            try:
-                times, text = client.stream(body, sid)
-            except Exception:
-                errors += 1
-                break
-            if turn:
-                follow_ups.append((times[0] - sent) * 1000 if times else float("inf"))
-            history.append((prompt, text))
-    finally:
-        if sid:
-            client.close(sid)
-    return {"follow_up_ttft_ms": follow_ups, "errors": errors}
-
-
-def run_rate(
-    client: Client, strategy: str, rate: float, count: int, think_s: float, seed: int
-) -> dict[str, Any]:
-    """Conversations arriving by a Poisson process at `rate` per second."""
-    rng = random.Random(seed)
-    starts, at = [], 0.0
-    for _ in range(count):
-        at += rng.expovariate(rate)
-        starts.append(at)
-    began = time.perf_counter()
-
-    def later(i: int) -> dict[str, Any]:
-        delay = began + starts[i] - time.perf_counter()
-        if delay > 0:
-            time.sleep(delay)
-        return conversation(client, strategy, seed * 1000 + i, think_s)
-
-    with ThreadPoolExecutor(count) as pool:
-        done = list(pool.map(later, range(count)))
-    ttfts = sorted(t for d in done for t in d["follow_up_ttft_ms"])
-    p95 = ttfts[min(len(ttfts) - 1, int(0.95 * len(ttfts)))] if ttfts else float("inf")
-    return {
-        "rate_per_s": rate,
-        "conversations": count,
-        "p50_ms": round(statistics.median(ttfts), 1) if ttfts else None,
-        "p95_ms": round(p95, 1),
-        "errors": sum(d["errors"] for d in done),
-    }
-
-
-def capacity(
-    client: Client, strategy: str, rates: list[float], count: int, think_s: float, slo_ms: float
-) -> dict[str, Any]:
-    """Raise the arrival rate until p95 follow-up TTFT misses the SLO; return the sweep."""
-    sweep, best = [], 0.0
-    for i, rate in enumerate(rates):
-        row = run_rate(client, strategy, rate, count, think_s, seed=i + 1)
-        row["held"] = row["p95_ms"] <= slo_ms and not row["errors"]
-        sweep.append(row)
-        print(f"  {strategy} at {rate}/s: p95 {row['p95_ms']} ms", file=sys.stderr)
-        if not row["held"]:
-            break
-        best = rate
-    return {"capacity_per_s": best, "sweep": sweep}
-
-
 def table(results: dict[str, Any]) -> str:
     lines = []
     if "gaps" in results:
@@ -323,12 +237,6 @@ def table(results: dict[str, Any]) -> str:
                 f"| {g['gap_ratio']}x / {g['median_gap_ratio']}x | {g['text_quiet_median_ms']}, "
                 f"{g['text_quiet_longest_ms']}, {g['text_longest_gap_ms']} ms |"
             )
-    if "capacity" in results:
-        slo = results["meta"]["slo_ms"]
-        lines += ["", f"| strategy | capacity (conversations/s, p95 follow-up TTFT <= {slo} ms) |"]
-        lines.append("|---|---|")
-        for name, c in results["capacity"].items():
-            lines.append(f"| {name} | {c['capacity_per_s']} |")
     return "\n".join(lines)
 
 
@@ -337,13 +245,8 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", default=TRAINED)
-    parser.add_argument("--only", choices=["gaps", "capacity"])
     parser.add_argument("--opens", type=int, default=4)
     parser.add_argument("--gap-runs", type=int, default=3, help="gap runs per server (worst kept)")
-    parser.add_argument("--rates", type=float, nargs="+", default=[0.05, 0.1, 0.2, 0.4, 0.8])
-    parser.add_argument("--conversations", type=int, default=12)
-    parser.add_argument("--think-s", type=float, default=2.0)
-    parser.add_argument("--slo-ms", type=float, default=1000.0)
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args(argv)
 
@@ -357,33 +260,18 @@ def main(argv: list[str] | None = None) -> None:
             "when": time.strftime("%Y-%m-%d %H:%M:%S"),
             "machine": platform.platform(),
             "model": args.model,
-            "slo_ms": args.slo_ms,
-            "think_s": args.think_s,
-            "conversations_per_rate": args.conversations,
         }
     }
-    if args.only in (None, "gaps"):
-        results["gaps"] = {}
-        for name, budget in (("calibrated (default)", "0"), ("unbounded", "1000000")):
-            ts = start(work / "store", work / f"gaps-{budget}", LLAVA_STEP_TOKEN_BUDGET=budget)
-            try:
-                client = Client(ts.url("/predictions/llava"), workload(args.model))
-                results["gaps"][name] = gap_runs(client, args.opens, args.gap_runs)
-                for run in results["gaps"][name]["runs"]:
-                    print(f"gaps, budget {name}: {run}", file=sys.stderr)
-            finally:
-                ts.stop()
-    if args.only in (None, "capacity"):
-        results["capacity"] = {}
-        for strategy, mode in (("session", "kv"), ("pixels", "pixels"), ("stateless", "kv")):
-            ts = start(work / "store", work / f"cap-{strategy}", LLAVA_CACHE_MODE=mode)
-            try:
-                client = Client(ts.url("/predictions/llava"), workload(args.model))
-                results["capacity"][strategy] = capacity(
-                    client, strategy, args.rates, args.conversations, args.think_s, args.slo_ms
-                )
-            finally:
-                ts.stop()
+    results["gaps"] = {}
+    for name, budget in (("calibrated (default)", "0"), ("unbounded", "1000000")):
+        ts = start(work / "store", work / f"gaps-{budget}", LLAVA_STEP_TOKEN_BUDGET=budget)
+        try:
+            client = Client(ts.url("/predictions/llava"), workload(args.model))
+            results["gaps"][name] = gap_runs(client, args.opens, args.gap_runs)
+            for run in results["gaps"][name]["runs"]:
+                print(f"gaps, budget {name}: {run}", file=sys.stderr)
+        finally:
+            ts.stop()
     write_results(args.out / "load.json", results, table(results))
 
 

@@ -169,3 +169,42 @@ def test_idle_sessions_expire_without_any_new_request(model_store, tmp_path):
         assert_no_worker_death(ts)
     finally:
         ts.stop()
+
+
+def test_past_max_opening_opens_get_429_with_retry_after_and_conversations_go_on(
+    model_store, tmp_path
+):
+    # Overload as a burst: 12 opens at once against room for 2 opening. Each open is answered
+    # (opened or refused with Retry-After, none left hanging), and a conversation held
+    # through the burst answers every question.
+    ts = start_server(model_store, tmp_path, LLAVA_MAX_OPENING="2")
+    try:
+        url = ts.url("/predictions/llava")
+        with httpx.Client(timeout=120) as client:
+            held = open_session(client, url, data_uri(make_image(70)))
+
+            def opener(seed: int) -> httpx.Response:
+                with httpx.Client(timeout=120) as own:
+                    body = {"type": "open_session", "image": data_uri(make_image(seed, (640, 400)))}
+                    return own.post(url, json=body)
+
+            with ThreadPoolExecutor(12) as pool:
+                burst = [pool.submit(opener, 100 + i) for i in range(12)]
+                asked = [
+                    ask(client, url, held, f"Question {i}?", max_new_tokens=4) for i in range(3)
+                ]
+                opens = [f.result() for f in burst]
+            assert all(a["text"] is not None for a in asked)  # every question answered
+            statuses = sorted(r.status_code for r in opens)
+            assert set(statuses) == {200, 429}, statuses
+            for refused in (r for r in opens if r.status_code == 429):
+                assert refused.headers["Retry-After"] == "1"
+                assert refused.json()["error"]["code"] == "capacity_exceeded"
+                assert "max_opening" in refused.json()["error"]["message"]
+            for opened in (r for r in opens if r.status_code == 200):
+                post(client, url, {"type": "close_session"}, opened.json()["session_id"])
+            # Once the burst is over, opens are welcome again.
+            open_session(client, url, data_uri(make_image(71)))
+        assert_no_worker_death(ts)
+    finally:
+        ts.stop()
