@@ -3,11 +3,9 @@
 A real LLaVA starts from a CLIP tower pretrained on 400M image-text pairs; learning to see from
 scratch through the language model's answers alone is slow (measured: after 2,400 steps the model
 still answered colours at chance). So the tower first learns, per image patch, the colour and the
-kind of the shape centred in it, whether that shape is the one clearly furthest left, right, up
-or down (the answer to a position question: a relation between patches, which per-patch heads
-alone never taught, measured: 60% of position questions right), and the number of shapes, from
-linear heads on the features the projector will read (layer -2, CLS dropped). The heads are
-thrown away; the tower keeps its weights and the model keeps llava-1.5's architecture.
+kind of the shape centred in it, and the number of shapes, from linear heads on the features the
+projector will read (layer -2, CLS dropped). The heads are thrown away; the tower keeps its
+weights and the model keeps llava-1.5's architecture.
 """
 
 from __future__ import annotations
@@ -19,28 +17,21 @@ from llava.tools.tiny.scenes import COLOURS, SHAPES, Scene
 
 COLOUR_IDS = {name: i + 1 for i, name in enumerate(COLOURS)}  # 0: no shape centred here
 KIND_IDS = {name: i + 1 for i, name in enumerate(SHAPES)}
-SIDES = ("left", "right", "top", "bottom")
 
 
-def patch_labels(
-    scene: Scene, image_size: int, patch: int
-) -> tuple[list[int], list[int], list[list[float]]]:
-    """Return, per patch (row-major), the colour and kind of the shape centred in it (0 = none)
-    and whether it is the scene's clear extreme to each of `SIDES`, in the geometry of
-    llava-1.5's preprocessing: padded to a centred square, then resized."""
+def patch_labels(scene: Scene, image_size: int, patch: int) -> tuple[list[int], list[int]]:
+    """Return, per patch (row-major), the colour and kind of the shape centred in it (0 = none),
+    in the geometry of llava-1.5's preprocessing: padded to a centred square, then resized."""
     side = max(scene.width, scene.height)
     pad_x, pad_y = (side - scene.width) / 2, (side - scene.height) / 2
     grid = image_size // patch
     colours, kinds = [0] * grid * grid, [0] * grid * grid
-    extremes = [[0.0] * len(SIDES) for _ in range(grid * grid)]
-    furthest = {name: scene.extreme(name) for name in SIDES}
     for shape in scene.shapes:
         col = min(grid - 1, int((shape.x + pad_x) * image_size / side) // patch)
         row = min(grid - 1, int((shape.y + pad_y) * image_size / side) // patch)
         colours[row * grid + col] = COLOUR_IDS[shape.colour]
         kinds[row * grid + col] = KIND_IDS[shape.kind]
-        extremes[row * grid + col] = [float(furthest[n] is shape) for n in SIDES]
-    return colours, kinds, extremes
+    return colours, kinds
 
 
 def pretrain_tower(
@@ -66,13 +57,11 @@ def pretrain_tower(
             "colour": torch.nn.Linear(hidden, len(COLOURS) + 1),
             "kind": torch.nn.Linear(hidden, len(SHAPES) + 1),
             "count": torch.nn.Linear(hidden, 4),
-            "extreme": torch.nn.Linear(hidden, len(SIDES)),
         }
     )
     labels = [patch_labels(scene, image_size, patch) for scene in scenes]
-    colour_of = torch.tensor([c for c, _, _ in labels])
-    kind_of = torch.tensor([k for _, k, _ in labels])
-    extreme_of = torch.tensor([e for _, _, e in labels])
+    colour_of = torch.tensor([c for c, _ in labels])
+    kind_of = torch.tensor([k for _, k in labels])
     count_of = torch.tensor([len(scene.shapes) for scene in scenes])
     params = [*tower.parameters(), *heads.parameters()]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
@@ -88,9 +77,6 @@ def pretrain_tower(
             torch.nn.functional.cross_entropy(colour.flatten(0, 1), colour_of[chosen].flatten())
             + torch.nn.functional.cross_entropy(kind.flatten(0, 1), kind_of[chosen].flatten())
             + torch.nn.functional.cross_entropy(heads["count"](patches.mean(1)), count_of[chosen])
-            + torch.nn.functional.binary_cross_entropy_with_logits(
-                heads["extreme"](patches), extreme_of[chosen]
-            )
         )
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
