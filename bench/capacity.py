@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -37,18 +36,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import psutil
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from drivers import open_body, query_body  # noqa: E402
-from load import PROMPTS, photo_uri, start, write_results  # noqa: E402
+from load import JSON, PROMPTS, Client, photo_uri, run_meta, start, write_results  # noqa: E402
 
 from llava.api.headers import SESSION_HEADER  # noqa: E402
 
-JSON = {"Content-Type": "application/json"}
 TOKENS = 16
 THINK_S = (0.3, 0.7)
 SIZE = (640, 400)
@@ -84,12 +81,8 @@ class Outcome:
     errors: list[str] = field(default_factory=list)  # "<stage> <status> <code>"
 
 
-class Caller:
+class Caller(Client):
     """The session API over one pooled HTTP client, recording errors by status and code."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.http = httpx.Client(timeout=300, limits=httpx.Limits(max_connections=512))
 
     def conversation(self, seed: int, think: bool = True) -> Outcome:
         """Open, ask 4 questions (think time between), close."""
@@ -113,9 +106,7 @@ class Caller:
                 if turn:
                     outcome.follow_up_ttft_ms.append(ttft)
         finally:
-            self.http.post(
-                self.url, content=b'{"type":"close_session"}', headers={**JSON, SESSION_HEADER: sid}
-            )
+            self.close(sid)
         return outcome
 
     def _ask(self, sid: str, prompt: str) -> tuple[float, str | None]:
@@ -158,10 +149,7 @@ def cost(caller: Caller, cpu: ServerCPU, runs: int) -> dict[str, float]:
         r = caller.http.post(
             caller.url, content=open_body(photo_uri(20_000 + i, SIZE)), headers=JSON
         )
-        sid = r.json()["session_id"]
-        caller.http.post(
-            caller.url, content=b'{"type":"close_session"}', headers={**JSON, SESSION_HEADER: sid}
-        )
+        caller.close(r.json()["session_id"])
     per_open = (cpu.seconds()["total"] - before) / runs
     return {
         "cpu_s_per_conversation": per_conversation,
@@ -324,17 +312,14 @@ def main(argv: list[str] | None = None) -> None:
     work = Path(tempfile.mkdtemp())
     build_archive(resolve_model(args.model), work / "store", name="llava")
     results: dict[str, Any] = {
-        "meta": {
-            "when": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "machine": platform.platform(),
-            "cpus": os.cpu_count(),
-            "model": args.model,
-            "slo_ms": args.slo_ms,
-            "open_slo_ms": args.open_slo_ms,
-            "image": f"{SIZE[0]}x{SIZE[1]} JPEG inline",
-            "think_s": list(THINK_S),
-            "tokens": TOKENS,
-        },
+        "meta": run_meta(
+            args.model,
+            slo_ms=args.slo_ms,
+            open_slo_ms=args.open_slo_ms,
+            image=f"{SIZE[0]}x{SIZE[1]} JPEG inline",
+            think_s=list(THINK_S),
+            tokens=TOKENS,
+        ),
         "strategies": {},
     }
     for strategy in args.strategies:

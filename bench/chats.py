@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import tempfile
@@ -31,7 +30,7 @@ import httpx
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from load import photo_uri, start, write_results  # noqa: E402
+from load import photo_uri, run_meta, start, write_results  # noqa: E402
 
 from llava.api.headers import NEW_SESSION, NEW_SESSION_HEADER, SESSION_HEADER  # noqa: E402
 
@@ -206,13 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         url = ts.url("/predictions/llava/1.0/v1/chat/completions")
         results: dict[str, Any] = {
-            "meta": {
-                "when": time.strftime("%Y-%m-%d %H:%M:%S"),
-                "machine": platform.platform(),
-                "model": args.model,
-                "answer_tokens": args.tokens,
-                "repeats": args.repeats,
-            },
+            "meta": run_meta(args.model, answer_tokens=args.tokens, repeats=args.repeats),
             "side_by_side": side_by_side(url, image, args.turns, args.tokens, args.repeats),
         }
         if args.long_turns:

@@ -255,13 +255,7 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = resolve_model(args.model)
     work = Path(tempfile.mkdtemp())
     build_archive(model_dir, work / "store", name="llava")
-    results: dict[str, Any] = {
-        "meta": {
-            "when": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "machine": platform.platform(),
-            "model": args.model,
-        }
-    }
+    results: dict[str, Any] = {"meta": run_meta(args.model)}
     results["gaps"] = {}
     for name, budget in (("calibrated (default)", "0"), ("unbounded", "1000000")):
         ts = start(work / "store", work / f"gaps-{budget}", LLAVA_STEP_TOKEN_BUDGET=budget)
@@ -273,6 +267,17 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             ts.stop()
     write_results(args.out / "load.json", results, table(results))
+
+
+def run_meta(model: str, **extra: Any) -> dict[str, Any]:
+    """What every bench result records about its run: when, where, which model."""
+    return {
+        "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "machine": platform.platform(),
+        "cpus": os.cpu_count(),
+        "model": model,
+        **extra,
+    }
 
 
 def write_results(path: Path, results: dict[str, Any], table_text: str) -> None:

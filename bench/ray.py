@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -34,7 +33,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from drivers import SCENE_PROMPTS, query_body, scene_uri  # noqa: E402
-from load import Client, start, write_results  # noqa: E402
+from load import Client, run_meta, start, write_results  # noqa: E402
 
 SESSIONS = 8
 TOKENS = 32
@@ -108,12 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = resolve_model(args.model)
     work = Path(tempfile.mkdtemp())
     results: dict[str, Any] = {
-        "meta": {
-            "when": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "machine": platform.platform(),
-            "cpus": os.cpu_count(),
-            "model": args.model,
-        },
+        "meta": run_meta(args.model),
         "decode": {},
     }
     for replicas in (1, 2):
