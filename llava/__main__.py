@@ -68,6 +68,7 @@ def _serve_ray(args: argparse.Namespace) -> None:
         port=args.port,
         address=args.address,
         proxy_location=args.proxy_location,
+        settings=package.get("settings"),
     )
 
 

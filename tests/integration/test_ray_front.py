@@ -137,9 +137,14 @@ def test_a_sagemaker_model_package_serves_as_the_ray_image_runs_it(
     # What docker/ray/serve runs: `serve-ray --config /opt/ml/model/config.yaml`.
     if not in_private_network():
         pytest.skip("Ray runs only in a private network namespace: run `make test-ray` as root")
-    package = write_package(tiny_checkpoint, tmp_path / "model", replicas=1)
+    settings = {"default_max_new_tokens": 3}  # the package's settings reach the replicas
+    package = write_package(tiny_checkpoint, tmp_path / "model", replicas=1, settings=settings)
     front = RayServe("unused", workdir=tmp_path / "front", config=package / "config.yaml")
     with front:
-        sid, answers = converse(front.url("/invocations"), 7, PROMPTS)
+        url = front.url("/invocations")
+        sid, answers = converse(url, 7, PROMPTS)
+        with httpx.Client(timeout=120) as client:
+            unbounded = ask(client, url, sid, "Tell me everything.")  # no max_new_tokens
     assert [a["text"] for a in answers] == reference.answers(make_image(7), PROMPTS, TOKENS)
     assert sid.startswith("r0x")
+    assert unbounded["usage"]["generated_tokens"] <= 3

@@ -80,8 +80,10 @@ def serve_forever(
     port: int = 8080,
     address: str | None = None,
     proxy_location: str = "EveryNode",
+    settings: Mapping[str, Any] | None = None,
 ) -> None:
-    """Serve a checkpoint with Ray Serve on host:port until SIGTERM or Ctrl-C."""
+    """Serve a checkpoint with Ray Serve on host:port until SIGTERM or Ctrl-C (`settings`:
+    ServerConfig fields, as a model package's config.yaml gives them)."""
     for name, value in RAY_ENV.items():  # read by every Ray process this one starts
         os.environ.setdefault(name, value)
     import ray
@@ -90,7 +92,14 @@ def serve_forever(
     # No address: a new local cluster ("local"), never one a past `ray start` left behind.
     ray.init(address=address or "local", include_dashboard=False, log_to_driver=False)
     serve.start(proxy_location=proxy_location, http_options={"host": host, "port": port})
-    app = build({"model_dir": model_dir, "model_name": model_name, "replicas": replicas})
+    app = build(
+        {
+            "model_dir": model_dir,
+            "model_name": model_name,
+            "replicas": replicas,
+            "settings": settings,
+        }
+    )
     print(f"starting {replicas or 'one per GPU'} replica(s) of {model_dir}", file=sys.stderr)
     serve.run(app, name="llava", route_prefix="/")
     print(f"llava on Ray Serve: http://{host}:{port} (ready)", flush=True)

@@ -118,7 +118,6 @@ def state_env(workdir: Path) -> dict[str, str]:
     return {
         "LLAVA_SESSION_REGISTRY_DIR": str(workdir / "registry"),
         "LLAVA_SNAPSHOT_DIR": str(workdir / "snapshots"),
-        "RAY_USAGE_STATS_ENABLED": "0",
     }
 
 
