@@ -127,7 +127,7 @@ class ChatDesk(Generic[StateT, TurnT]):
         slot: Slot | None
         try:
             slot = self.store.reserve()
-        except CapacityExceeded:  # every slot holds an open session: answer, keep nothing
+        except CapacityExceeded:  # no slot (all held, or max_opening opening): answer, keep nothing
             slot = None
         session = Session("", state, 0, 0.0, busy=True)
         return Answering(
