@@ -1,20 +1,32 @@
 # llava-sessions: LLaVA with stateful sessions on TorchServe, as a SageMaker BYOC image.
 #
-# Built on the SageMaker PyTorch inference DLC rather than from scratch so that the image keeps
-# AWS's CUDA/cuDNN/NCCL-matched torch, TorchServe 0.12.0 with Java 17, the SageMaker inference
-# toolkit and its `serve` entrypoint - and so that SageMaker Container Caching, which covers this
-# base, can start endpoints faster. Build it with ./build_and_push.sh, which logs in to the DLC
-# registry first (the base image is private to AWS accounts).
+# Built on AWS's Ray Serve SageMaker container, the supported successor of the TorchServe-based
+# PyTorch inference DLC (AWS stopped patching that one on 2026-06-30): the image keeps AWS's
+# CUDA-matched, patched torch and Python, and adds what the old DLC brought itself - Java 17
+# (Amazon Corretto), TorchServe 0.12.0 and a `serve` entrypoint that starts TorchServe as the
+# DLC's toolkit did (docker/torchserve/serve). TorchServe 0.12.0 with its Java frontend and the
+# kit were measured on this base's Python 3.13 and the old DLC's torch 2.6.0 (docs/ray.md, "The
+# TorchServe image's base"). The Ray Serve front (docker/ray/Dockerfile) builds FROM the same tag.
+# Build it with ./build_and_push.sh, which logs in to the DLC registry first (the base image is
+# private to AWS accounts).
 #
 # The DLC registry account 763104351884 serves most commercial regions; opt-in regions and China
 # use other accounts: pass BASE_IMAGE there.
 ARG REGION=us-east-1
-ARG BASE_IMAGE=763104351884.dkr.ecr.${REGION}.amazonaws.com/pytorch-inference:2.6.0-gpu-py312-cu124-ubuntu22.04-sagemaker
+ARG BASE_IMAGE=763104351884.dkr.ecr.${REGION}.amazonaws.com/ray:serve-ml-sagemaker-cuda-v1.1.0
 
 FROM ${BASE_IMAGE}
 
 # Fail a RUN when any command of a pipeline fails, not only the last one.
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+
+# --- Java for TorchServe's frontend -------------------------------------------------------------
+# TorchServe 0.12.0's frontend is Java (17, the release it is built and tested with). The base is
+# Amazon Linux 2023, whose own Corretto build gets the distribution's security updates.
+RUN dnf install -y java-17-amazon-corretto-headless \
+ && dnf clean all \
+ && rm -rf /var/cache/dnf \
+ && java -version
 
 # --- Optional: bake the model into the image --------------------------------------------------
 # By default the image holds no weights: SageMaker downloads the model data named by the model's
@@ -43,11 +55,12 @@ RUN if [ -n "${MODEL_DIR}" ] && [ ! -f /opt/ml/model/MAR-INF/MANIFEST.json ]; th
  && rm -f /opt/ml/model/.llava-no-model
 
 # --- The kit ----------------------------------------------------------------------------------
-# Pin the base image's torch, torchvision, TorchServe, torch-model-archiver, ... to the versions it
-# already has (see docker/base_constraints.py for why), then install the kit under those
-# constraints. The constraints file stays in the image: PIP_CONSTRAINT below makes every later pip
-# run honour it too - the toolkit's start-up install of /opt/ml/model/code/requirements.txt and
-# images built FROM this one.
+# Pin the base image's torch (and torchvision, triton, ... where it has them) to the versions it
+# already has (see docker/base_constraints.py for why), then install the kit, TorchServe 0.12.0
+# and torch-model-archiver (the `serve` extra) under those constraints and the image's lock. The
+# constraints file stays in the image: PIP_CONSTRAINT below makes every later pip run honour it
+# too - `serve`'s start-up install of /opt/ml/model/code/requirements.txt and images built FROM
+# this one.
 COPY docker/base_constraints.py /opt/llava-sessions/base_constraints.py
 COPY docker/image.lock /opt/llava-sessions/image.lock
 # README.md is pyproject's readme (the wheel's long description); the trailing * lets the build go
@@ -58,19 +71,19 @@ RUN python /opt/llava-sessions/base_constraints.py > /opt/llava-sessions/constra
  && cat /opt/llava-sessions/constraints.txt \
  && python -m pip install --no-cache-dir --root-user-action=ignore \
         -c /opt/llava-sessions/constraints.txt -c /opt/llava-sessions/image.lock \
-        "/tmp/llava-sessions-src[engine,aws]" \
+        "/tmp/llava-sessions-src[engine,aws,serve]" \
  && rm -rf /tmp/llava-sessions-src
 
 # --- TorchServe and kit settings ----------------------------------------------------------------
-# The DLC entrypoint writes /etc/sagemaker-ts.properties with enable_envvars_config=true, so
-# TorchServe reads TS_<KEY> variables, and they take precedence over that file. Any of these can be
+# docker/torchserve/sagemaker-ts.properties sets enable_envvars_config=true, so TorchServe reads
+# TS_<KEY> variables, and they take precedence over that file. Any of these can be
 # changed per deployment through the SageMaker model's Environment without rebuilding.
 #   TS_DEFAULT_RESPONSE_TIMEOUT: seconds TorchServe waits for each handler message before it kills
 #     and restarts the worker - which loses the answers being generated (sessions come back from
 #     their snapshots, at their last finished turn) - so it is
-#     set well above the slowest legitimate generation. (It overrides the toolkit's
-#     SAGEMAKER_MODEL_SERVER_TIMEOUT; a per-model responseTimeout in model-config.yaml wins over
-#     both.) SageMaker's own 60 s limit on non-streaming responses is enforced at the router.
+#     set well above the slowest legitimate generation. (A per-model responseTimeout in
+#     model-config.yaml wins over it.) SageMaker's own 60 s limit on non-streaming responses is
+#     enforced at the router.
 #   TS_DEFAULT_STARTUP_TIMEOUT: seconds a worker may spend loading the model (default 120) - too
 #     short for reading LLaVA's weights from disk onto the GPU.
 #   TS_MAX_REQUEST_SIZE / TS_MAX_RESPONSE_SIZE: SageMaker's 6 MiB body limit, so that the container
@@ -79,17 +92,24 @@ RUN python /opt/llava-sessions/base_constraints.py > /opt/llava-sessions/constra
 #     every handler setting of model-config.yaml has such an LLAVA_<NAME> override.
 # The kit's session gauges (sessions and bytes per memory tier) next to TorchServe's own metrics.
 COPY handler/metrics.yaml /opt/llava-sessions/metrics.yaml
+COPY docker/torchserve/sagemaker-ts.properties /opt/llava-sessions/sagemaker-ts.properties
 ENV TS_DEFAULT_RESPONSE_TIMEOUT=300 \
     TS_METRICS_CONFIG=/opt/llava-sessions/metrics.yaml \
     TS_DEFAULT_STARTUP_TIMEOUT=600 \
     TS_MAX_REQUEST_SIZE=6291456 \
     TS_MAX_RESPONSE_SIZE=6291456 \
     LLAVA_SESSION_TTL_S=1200 \
-    PIP_CONSTRAINT=/opt/llava-sessions/constraints.txt
+    PIP_CONSTRAINT=/opt/llava-sessions/constraints.txt \
+    LOG_LOCATION=/var/log/torchserve \
+    METRICS_LOCATION=/var/log/torchserve
 
-# No ENTRYPOINT/CMD: SageMaker runs `docker run IMAGE serve`, and the DLC's entrypoint turns `serve`
-# into the toolkit's TorchServe start with /opt/ml/model as the model. EXPOSE and the
-# com.amazonaws.sagemaker.* labels are inherited from the base image.
+# --- Serving ----------------------------------------------------------------------------------
+# SageMaker runs `docker run IMAGE serve` with the unpacked archive at /opt/ml/model: `serve`
+# starts TorchServe in the foreground on 8080 with it as the model `model`, as the old DLC's
+# toolkit did, so deployments, the local runtime and the AWS sample's calls are unchanged.
+COPY docker/torchserve/serve /usr/local/bin/serve
+EXPOSE 8080
+ENTRYPOINT ["/usr/local/bin/serve"]
 
 # Last, so that a new commit only changes image metadata, not a cached layer.
 ARG BASE_IMAGE

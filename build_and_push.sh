@@ -6,7 +6,7 @@ usage() {
   cat <<'EOF'
 Usage: ./build_and_push.sh [repository] [tag]
 
-Builds the image from this directory (linux/amd64, on the SageMaker PyTorch inference DLC) and
+Builds the image from this directory (linux/amd64, on AWS's Ray Serve SageMaker container) and
 pushes it to Amazon ECR in your account.
 
   repository  ECR repository name, created (scan on push) when missing. Default: llava-sessions
@@ -18,8 +18,8 @@ Environment:
                   then `aws configure get region`.
   BASE_IMAGE      optional: another base image, passed as a build arg (e.g. the DLC account of an
                   opt-in or China region; see the Dockerfile).
-  FRONT           torchserve (default: the Dockerfile, on the TorchServe-based PyTorch DLC) or ray
-                  (docker/ray/Dockerfile, on AWS's Ray Serve SageMaker container; default
+  FRONT           torchserve (default: the Dockerfile, TorchServe 0.12 and Java 17 added to AWS's
+                  Ray Serve SageMaker container) or ray (docker/ray/Dockerfile, Ray Serve; default
                   repository llava-sessions-ray; its model data is `python -m llava package-ray`).
   MODEL_DIR       optional, FRONT=torchserve only: an unpacked TorchServe archive (with MAR-INF/MANIFEST.json, made by
                   `torch-model-archiver --archive-format no-archive`) inside this directory, baked

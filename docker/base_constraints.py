@@ -1,4 +1,4 @@
-"""Print pip constraints that pin the base image's own torch and TorchServe stack.
+"""Print pip constraints that pin the base image's own torch stack.
 
 Run inside the image at build time, before the kit is installed:
 
@@ -6,13 +6,14 @@ Run inside the image at build time, before the kit is installed:
     python -m pip install -c /opt/llava-sessions/constraints.txt ...
 
 Why: the kit's `engine` extra says `torch>=2.4`, so a resolver that sees a newer torch on PyPI may
-"upgrade" the DLC's CUDA build (torch 2.6.0+cu124, matched to the image's CUDA, NCCL and cuDNN) to a
-generic wheel several GB large, and TorchServe must stay the 0.12.0 the SageMaker toolkit drives.
-Pinning each package to the version already installed makes pip keep them or fail loudly.
+"upgrade" the base's CUDA build (matched to the image's CUDA, NCCL and cuDNN) to a generic wheel
+several GB large. Pinning each package to the version already installed makes pip keep them or
+fail loudly.
 
-Standard library only: it runs under the base image's Python (3.12 in the 2.6.0 DLC) before anything
-is installed. Exit status 1, with the reason on stderr, when a required package is missing - that
-means BASE_IMAGE is not a TorchServe-based SageMaker PyTorch inference image.
+Standard library only: it runs under the base image's Python (3.13 in AWS's Ray Serve container)
+before anything is installed. Exit status 1, with the reason on stderr, when a required package is
+missing - that means BASE_IMAGE is not AWS's Ray Serve SageMaker container (or another image
+with a CUDA torch).
 """
 
 from __future__ import annotations
@@ -21,23 +22,20 @@ import sys
 from collections.abc import Callable, Iterable
 from importlib.metadata import PackageNotFoundError, version
 
-# Without these the image cannot serve: pip must never replace them.
-REQUIRED = ("torch", "torchserve", "torch-model-archiver")
-# The same for the Ray Serve front's image, on AWS's Ray Serve container (`--front ray`): its Ray
-# is what its SageMaker entrypoint and the kit's router were built against, and its transformers
-# is AWS's tested one.
+# Without this the image cannot serve: pip must never replace it. (TorchServe 0.12.0 and
+# torch-model-archiver come with the kit's `serve` extra: the base has no TorchServe.)
+REQUIRED = ("torch",)
+# The Ray Serve front's image (`--front ray`) also keeps the base's Ray, which its SageMaker
+# entrypoint and the kit's router were built against, and its transformers, AWS's tested one.
 REQUIRED_RAY = ("torch", "ray", "transformers")
 # Pinned when the base image has them, so that no dependency drags in a build that does not match
-# its torch (torchvision/torchaudio/triton are built against one torch release) or its toolkit.
+# its torch (torchvision/torchaudio/triton are built against one torch release).
 OPTIONAL = (
     "torchvision",
     "torchaudio",
     "torchtext",
     "torchdata",
     "triton",
-    "torch-workflow-archiver",
-    "sagemaker-pytorch-inference",
-    "sagemaker-inference",
 )
 
 
@@ -69,8 +67,8 @@ def main(argv: list[str]) -> int:
             "AWS's Ray Serve SageMaker container, e.g. "
             "763104351884.dkr.ecr.<region>.amazonaws.com/ray:serve-ml-sagemaker-cuda-v1.1.0"
             if ray
-            else "TorchServe-based SageMaker PyTorch inference DLC, e.g. "
-            "763104351884.dkr.ecr.<region>.amazonaws.com/pytorch-inference:2.6.0-gpu-py312-cu124-ubuntu22.04-sagemaker"
+            else "an image with AWS's CUDA torch, e.g. AWS's Ray Serve SageMaker container "
+            "763104351884.dkr.ecr.<region>.amazonaws.com/ray:serve-ml-sagemaker-cuda-v1.1.0"
         )
         print(
             f"error: the base image has no {', '.join(missing)}. BASE_IMAGE must be {expected}",

@@ -1,7 +1,7 @@
-"""Shipping checks: the Dockerfile and build_and_push.sh lint clean, the Dockerfile keeps the
-DLC's torch, TorchServe and entrypoint, and build_and_push.sh makes exactly the aws/docker calls a
-push needs - checked against recording stand-ins for `aws` and `docker`, so no AWS account or Docker
-engine is needed.
+"""Shipping checks: the Dockerfiles and build_and_push.sh lint clean, the Dockerfile keeps the
+base's torch and adds Java, TorchServe and its `serve`, and build_and_push.sh makes exactly the
+aws/docker calls a push needs - checked against recording stand-ins for `aws` and `docker`, so no
+AWS account or Docker engine is needed.
 """
 
 from __future__ import annotations
@@ -137,24 +137,56 @@ def _args(instructions: list[tuple[str, str]]) -> dict[str, str]:
     }
 
 
-def test_dockerfile_builds_from_the_sagemaker_pytorch_dlc_through_build_args() -> None:
-    instructions = _instructions()
+def _base_image(path: Path) -> str:
+    instructions = _instructions(path)
     first_from = next(i for i, (keyword, _) in enumerate(instructions) if keyword == "FROM")
     global_args = _args(instructions[:first_from])
     assert global_args["REGION"] == "us-east-1"
-    base = global_args["BASE_IMAGE"]
-    assert base.startswith(DLC_ACCOUNT + ".dkr.ecr.${REGION}.amazonaws.com/pytorch-inference:")
-    assert "pytorch-inference:2.6.0-gpu" in base
-    assert base.endswith("-sagemaker")
     froms = [rest for keyword, rest in instructions if keyword == "FROM"]
     assert froms == ["${BASE_IMAGE}"]
+    return global_args["BASE_IMAGE"]
 
 
-def test_dockerfile_keeps_the_dlc_entrypoint() -> None:
-    keywords = {keyword for keyword, _ in _instructions()}
-    assert "ENTRYPOINT" not in keywords
-    assert "CMD" not in keywords
-    assert "USER" not in keywords  # the DLC entrypoint and TorchServe run as root
+def test_both_images_build_on_aws_s_supported_ray_serve_container_through_build_args() -> None:
+    """Not the TorchServe-based PyTorch DLC, which AWS stopped patching on 2026-06-30."""
+    for path in (DOCKERFILE, RAY_DOCKERFILE):
+        base = _base_image(path)
+        assert re.fullmatch(
+            rf"{DLC_ACCOUNT}\.dkr\.ecr\.\$\{{REGION\}}\.amazonaws\.com/ray:serve-ml-sagemaker-cuda-v1\.1\.0",
+            base,
+        ), (path, base)  # a pinned tag: Ray 2.55.1, the release the router is written for
+
+
+def test_dockerfile_adds_java_and_starts_torchserve_with_its_own_serve() -> None:
+    """The base has neither Java nor TorchServe nor a TorchServe entrypoint: the image brings all
+    three (tests/integration/test_image_entrypoint.py runs that `serve`)."""
+    instructions = _instructions()
+    runs = [rest for keyword, rest in instructions if keyword == "RUN"]
+    assert any("java-17-amazon-corretto-headless" in run and "java -version" in run for run in runs)
+    assert ("ENTRYPOINT", '["/usr/local/bin/serve"]') in instructions
+    copies = [rest for keyword, rest in instructions if keyword == "COPY"]
+    assert "docker/torchserve/serve /usr/local/bin/serve" in copies
+    assert (
+        "docker/torchserve/sagemaker-ts.properties /opt/llava-sessions/sagemaker-ts.properties"
+        in copies
+    )
+    assert ("EXPOSE", "8080") in instructions
+    keywords = {keyword for keyword, _ in instructions}
+    assert "CMD" not in keywords  # SageMaker passes `serve`
+    assert "USER" not in keywords  # TorchServe runs as root, as in the DLC
+
+
+def test_sagemaker_properties_expose_only_inference_and_let_the_environment_override() -> None:
+    text = (REPO / "docker" / "torchserve" / "sagemaker-ts.properties").read_text()
+    props = dict(
+        line.split("=", 1) for line in text.splitlines() if line and not line.startswith("#")
+    )
+    assert props["inference_address"] == "http://0.0.0.0:8080"
+    for key in ("management_address", "metrics_address"):
+        assert props[key].startswith("http://127.0.0.1:"), key
+    assert props["grpc_inference_address"] == props["grpc_management_address"] == "127.0.0.1"
+    assert props["enable_envvars_config"] == "true"
+    assert props["install_py_dep_per_model"] == "false"
 
 
 def _pip_runs() -> list[str]:
@@ -182,7 +214,7 @@ def test_kit_install_is_constrained_to_the_image_torch_and_torchserve() -> None:
     assert ["docker/image.lock", "/opt/llava-sessions/image.lock"] in copies
     assert "/opt/llava-sessions/image.lock" in given
     assert "--no-cache-dir" in pip_words
-    assert any(word.endswith("[engine,aws]") for word in pip_words), pip_words
+    assert any(word.endswith("[engine,aws,serve]") for word in pip_words), pip_words
     assert run.index("base_constraints.py") < run.index("pip install")
     env = _env()
     assert env["PIP_CONSTRAINT"] == constraints  # later pip runs keep the pins too
@@ -202,23 +234,21 @@ def test_constraints_helper_pins_what_is_installed() -> None:
     from importlib.metadata import version
 
     helper = _load_helper()
-    assert {"torch", "torchserve", "torch-model-archiver"} <= set(helper.REQUIRED)
+    assert helper.REQUIRED == ("torch",)  # TorchServe comes with the kit's `serve` extra
     result = subprocess.run(
         [sys.executable, str(REPO / "docker/base_constraints.py")],
         capture_output=True,
         text=True,
         check=True,
     )
-    lines = result.stdout.splitlines()
-    for name in ("torch", "torchserve", "torch-model-archiver"):
-        assert f"{name}=={version(name)}" in lines
+    assert f"torch=={version('torch')}" in result.stdout.splitlines()
 
 
 def test_constraints_helper_fails_when_the_base_lacks_torch() -> None:
     from importlib.metadata import PackageNotFoundError
 
     helper = _load_helper()
-    installed = {"torch": "2.6.0+cu124", "torchserve": "0.12.0", "torchvision": "0.21.0+cu124"}
+    installed = {"torchvision": "0.21.0+cu124", "triton": "3.2.0"}
 
     def lookup(name: str) -> str:
         if name not in installed:
@@ -226,8 +256,8 @@ def test_constraints_helper_fails_when_the_base_lacks_torch() -> None:
         return installed[name]
 
     lines, missing = helper.constraints(lookup)
-    assert lines == ["torch==2.6.0+cu124", "torchserve==0.12.0", "torchvision==0.21.0+cu124"]
-    assert missing == ["torch-model-archiver"]
+    assert lines == ["torchvision==0.21.0+cu124", "triton==3.2.0"]
+    assert missing == ["torch"]
 
 
 def _env() -> dict[str, str]:
@@ -640,10 +670,7 @@ def test_base_image_and_model_dir_pass_through(sandbox) -> None:
     manifest = sandbox.dir / "model-store/llava/MAR-INF/MANIFEST.json"
     manifest.parent.mkdir(parents=True)
     manifest.write_text("{}")
-    base = (
-        f"{DLC_ACCOUNT}.dkr.ecr.us-west-2.amazonaws.com/"
-        "pytorch-inference:2.5.1-gpu-py311-cu124-ubuntu22.04-sagemaker"
-    )
+    base = f"{DLC_ACCOUNT}.dkr.ecr.us-west-2.amazonaws.com/ray:serve-ml-sagemaker-cpu-v1.1.0"
     run = sandbox.run(
         AWS_REGION="eu-west-1", BASE_IMAGE=base, MODEL_DIR=str(sandbox.dir / "model-store/llava")
     )
@@ -745,15 +772,8 @@ def test_front_mistakes_fail_before_any_aws_or_docker_work(sandbox, env, message
     assert run.calls == []
 
 
-def test_ray_image_builds_on_aws_ray_serve_container_with_the_kit_s_entrypoint() -> None:
+def test_ray_image_runs_the_kit_s_ray_entrypoint() -> None:
     instructions = _instructions(RAY_DOCKERFILE)
-    first_from = next(i for i, (keyword, _) in enumerate(instructions) if keyword == "FROM")
-    args = _args(instructions[:first_from])
-    assert re.fullmatch(
-        rf"{DLC_ACCOUNT}\.dkr\.ecr\.\$\{{REGION\}}\.amazonaws\.com/ray:serve-ml-sagemaker-cuda-v1\.1\.0",
-        args["BASE_IMAGE"],
-    ), args["BASE_IMAGE"]  # a pinned tag: Ray 2.55.1, the release the router is written for
-    assert ("FROM", "${BASE_IMAGE}") in instructions
     assert ("ENTRYPOINT", '["/usr/local/bin/serve"]') in instructions
     assert ("COPY", "docker/ray/serve /usr/local/bin/serve") in instructions
     run = " ".join(v for k, v in instructions if k == "RUN")

@@ -34,6 +34,25 @@ def patch_labels(scene: Scene, image_size: int, patch: int) -> tuple[list[int], 
     return colours, kinds
 
 
+SIDES = ("left", "right", "top", "bottom")
+
+
+def extreme_labels(scene: Scene, image_size: int, patch: int) -> list[list[float]]:
+    """Return, per patch, whether the shape centred there is the scene's clear extreme to each
+    side: "which shape is on the left?" is a relation between patches no per-patch label holds."""
+    side = max(scene.width, scene.height)
+    pad_x, pad_y = (side - scene.width) / 2, (side - scene.height) / 2
+    grid = image_size // patch
+    labels = [[0.0] * len(SIDES) for _ in range(grid * grid)]
+    for i, name in enumerate(SIDES):
+        shape = scene.extreme(name)
+        if shape is not None:
+            col = min(grid - 1, int((shape.x + pad_x) * image_size / side) // patch)
+            row = min(grid - 1, int((shape.y + pad_y) * image_size / side) // patch)
+            labels[row * grid + col][i] = 1.0
+    return labels
+
+
 def pretrain_tower(
     model: Any,
     pool: Any,
@@ -45,6 +64,7 @@ def pretrain_tower(
     batch: int,
     lr: float,
     rng: Any,
+    extreme_weight: float = 0.0,
 ) -> None:
     """Train the model's vision tower on per-patch colours and kinds and the shape count."""
     import torch
@@ -59,6 +79,9 @@ def pretrain_tower(
             "count": torch.nn.Linear(hidden, 4),
         }
     )
+    if extreme_weight > 0:  # created after the others, so weight 0 leaves their start as it was
+        heads["extreme"] = torch.nn.Linear(hidden, len(SIDES))
+        extreme_of = torch.tensor([extreme_labels(s, image_size, patch) for s in scenes])
     labels = [patch_labels(scene, image_size, patch) for scene in scenes]
     colour_of = torch.tensor([c for c, _ in labels])
     kind_of = torch.tensor([k for _, k in labels])
@@ -78,6 +101,10 @@ def pretrain_tower(
             + torch.nn.functional.cross_entropy(kind.flatten(0, 1), kind_of[chosen].flatten())
             + torch.nn.functional.cross_entropy(heads["count"](patches.mean(1)), count_of[chosen])
         )
+        if extreme_weight > 0:
+            loss = loss + extreme_weight * torch.nn.functional.binary_cross_entropy_with_logits(
+                heads["extreme"](patches), extreme_of[chosen]
+            )
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
