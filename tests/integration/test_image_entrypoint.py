@@ -98,6 +98,12 @@ def image_serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         _wait_healthy(f"http://127.0.0.1:{port}", process, log)
         yield f"http://127.0.0.1:{port}"
     finally:
+        _stop(process)
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    """Stop `serve`'s whole process group (it may have exited already)."""
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGTERM)
         try:
             process.wait(60)
