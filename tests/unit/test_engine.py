@@ -209,16 +209,26 @@ def test_two_replicas_pin_sessions_to_the_least_loaded_and_batch_per_replica(
     assert two.open_session(images[0]).replica is replicas[0]  # the least loaded again
 
 
-def test_bf16_session_equals_the_bf16_pipeline(tiny_checkpoint):
+def test_bf16_session_is_the_bf16_pipeline_up_to_near_ties(tiny_checkpoint):
+    """Each turn against `generate` on the same conversation (the kit's earlier answers as its
+    history), token by token up to the first near-tie: bf16 rounds differently in a cached
+    forward than in a whole one, and random weights give near-flat logits (exact equality held
+    on torch 2.13 but not on 2.6, the image's torch, at turn 3)."""
     import torch
 
     bf16 = LlavaEngine.load(tiny_checkpoint, ServerConfig(device="cpu", dtype="bfloat16"))
     assert bf16.runner.replicas[0].model.dtype == torch.bfloat16
     image = make_image(8)
     state = bf16.open_session(image, "Answer briefly.")
-    got = [answer(bf16, state, p).text for p in PROMPTS]
     oracle = Reference(tiny_checkpoint, dtype=torch.bfloat16)
-    assert got == oracle.answers(image, PROMPTS, 10, "Answer briefly.")
+    past: list[tuple[str, str]] = []
+    for i, prompt in enumerate(PROMPTS):
+        turn = answer(bf16, state, prompt)
+        messages = oracle.messages("Answer briefly.", past, prompt)
+        oracle.greedy([image], messages, GREEDY.max_new_tokens).assert_close(
+            turn.generated, f"turn {i + 1}"
+        )
+        past.append((prompt, turn.text))
 
 
 @pytest.mark.parametrize(
