@@ -202,6 +202,10 @@ def _blocked_reason(addr: IPAddress) -> str | None:
             if reason is not None or same_host:
                 # A mapped/NAT64 form reaches exactly that IPv4 host: judge it as one.
                 return None if reason is None else f"{reason} (embedded in IPv6)"
+            # 6to4 and Teredo reach a public host only through a relay; IANA lists neither as
+            # globally reachable, and Python's `is_global` says so from 3.12.4/3.13 on but not
+            # before: refuse them on every Python the images run.
+            return "tunnelled (6to4 or Teredo)"
     if addr in _METADATA:
         return "cloud metadata"
     for network, reason in _BLOCKED_NETWORKS:
