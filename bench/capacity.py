@@ -2,6 +2,7 @@
 
     python bench/capacity.py                       # llava15: session cache and pixel cache
     python bench/capacity.py --fractions 0.5 0.8 --duration-s 60 --strategies session
+    python bench/capacity.py --torch-threads 0 2   # the default thread count and 2, side by side
 
 A user's traffic: conversations arrive at random (Poisson) for a fixed time per rate; each opens
 with a 640x400 JPEG sent inline, asks 4 questions with 0.3-0.7 s of think time between them
@@ -318,6 +319,13 @@ def main(argv: list[str] | None = None) -> None:
         "--open-slo-ms", type=float, default=5000.0, help="p95 of opens: past it they queue"
     )
     parser.add_argument("--out", type=Path, default=HERE / "results")
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="torch_threads settings to run each strategy with, side by side (0: the default)",
+    )
     parser.add_argument("--env", nargs="*", default=[], help="server env KEY=VALUE (experiments)")
     args = parser.parse_args(argv)
     extra = dict(pair.split("=", 1) for pair in args.env)
@@ -337,17 +345,22 @@ def main(argv: list[str] | None = None) -> None:
         ),
         "strategies": {},
     }
-    for strategy in args.strategies:
-        ts = start(work / "store", work / strategy, LLAVA_CACHE_MODE=STRATEGIES[strategy], **extra)
-        try:
-            caller = Caller(ts.url("/predictions/llava"))
-            fractions = args.fractions if strategy == "session" else args.pixel_fractions
-            print(f"{strategy}:", file=sys.stderr)
-            results["strategies"][strategy] = sweep(
-                caller, ServerCPU(ts), fractions, args.duration_s, args.slo_ms, args.open_slo_ms
-            )
-        finally:
-            ts.stop()
+    for threads in args.torch_threads:
+        for strategy in args.strategies:
+            name = strategy if not threads else f"{strategy}, torch_threads {threads}"
+            env = {"LLAVA_CACHE_MODE": STRATEGIES[strategy], **extra}
+            if threads:
+                env["LLAVA_TORCH_THREADS"] = str(threads)
+            ts = start(work / "store", work / f"{strategy}-{threads}", **env)
+            try:
+                caller = Caller(ts.url("/predictions/llava"))
+                fractions = args.fractions if strategy == "session" else args.pixel_fractions
+                print(f"{name}:", file=sys.stderr)
+                results["strategies"][name] = sweep(
+                    caller, ServerCPU(ts), fractions, args.duration_s, args.slo_ms, args.open_slo_ms
+                )
+            finally:
+                ts.stop()
     write_results(args.out / "capacity.json", results, table(results))
 
 
