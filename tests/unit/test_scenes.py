@@ -120,10 +120,23 @@ def test_the_towers_labels_follow_llava_preprocessing() -> None:
     assert sum(k > 0 for k in kinds) == 2
 
 
+def test_stage_0b_labels_the_clear_extremes_in_the_same_geometry() -> None:
+    from llava.tools.tiny.vision import SIDES, extreme_labels
+
+    circle = Shape("circle", "red", 50, 100, 60)
+    square = Shape("square", "blue", 350, 20, 30)
+    scene = Scene(400, 200, False, (230, 230, 230), (circle, square))
+    labels = extreme_labels(scene, image_size=64, patch=16)
+    side = dict(zip(SIDES, range(4), strict=True))
+    assert labels[2 * 4 + 0][side["left"]] == 1 and labels[2 * 4 + 0][side["bottom"]] == 1
+    assert labels[1 * 4 + 3][side["right"]] == 1 and labels[1 * 4 + 3][side["top"]] == 1
+    assert sum(map(sum, labels)) == 4  # nothing else is an extreme
+
+
 def test_training_writes_a_checkpoint_transformers_loads(tmp_path: Path) -> None:
     from transformers import AutoModelForImageTextToText
 
-    recipe = Recipe(steps=2, batch=2, scenes=4, vision_steps=2, align_steps=1)
+    recipe = Recipe(steps=2, batch=2, scenes=4, vision_steps=2, extreme_steps=1, align_steps=1)
     out = train(tmp_path / "shapes", recipe)
     model = AutoModelForImageTextToText.from_pretrained(out)
     assert model.config.model_type == "llava"

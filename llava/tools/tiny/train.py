@@ -46,8 +46,8 @@ class Recipe:
     # LLaVA its tower. Then LLaVA's two stages in small: mostly captions ("Describe the
     # picture.") to align the features with words, then questions and follow-ups.
     vision_steps: int = 8000
-    # Weight of stage 0's extreme-position head (0: none).
-    extreme_weight: float = 0.0
+    # Stage 0b's steps: the tower also learns which shape is furthest to each side (0: none).
+    extreme_steps: int = 0
     align_steps: int = 300
     batch: int = 32
     scenes: int = 6000
@@ -144,7 +144,7 @@ def train(out: str | Path = SHIPPED, recipe: Recipe = Recipe(), *, overwrite: bo
         batch=64,
         lr=recipe.lr,
         rng=rng,
-        extreme_weight=recipe.extreme_weight,
+        extreme_steps=recipe.extreme_steps,
     )
     tower = list(model.model.vision_tower.parameters())
     in_tower = {id(p) for p in tower}
@@ -256,14 +256,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=Recipe.steps)
     parser.add_argument("--lr", type=float, default=Recipe.lr)
     parser.add_argument("--vision-lr", type=float, default=Recipe.vision_lr)
-    parser.add_argument("--extreme-weight", type=float, default=Recipe.extreme_weight)
+    parser.add_argument("--extreme-steps", type=int, default=Recipe.extreme_steps)
     args = parser.parse_args(argv)
     recipe = Recipe(
         seed=args.seed,
         steps=args.steps,
         lr=args.lr,
         vision_lr=args.vision_lr,
-        extreme_weight=args.extreme_weight,
+        extreme_steps=args.extreme_steps,
     )
     print(train(args.out, recipe))
     return 0

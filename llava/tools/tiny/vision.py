@@ -64,9 +64,11 @@ def pretrain_tower(
     batch: int,
     lr: float,
     rng: Any,
-    extreme_weight: float = 0.0,
+    extreme_steps: int = 0,
 ) -> None:
-    """Train the model's vision tower on per-patch colours and kinds and the shape count."""
+    """Train the model's vision tower on per-patch colours and kinds and the shape count; then,
+    for `extreme_steps` more (stage 0b), also on which shape is the scene's extreme to each side,
+    once colours and kinds are learnt (learnt from the start, it cost the colours)."""
     import torch
     from tqdm import tqdm
 
@@ -79,9 +81,6 @@ def pretrain_tower(
             "count": torch.nn.Linear(hidden, 4),
         }
     )
-    if extreme_weight > 0:  # created after the others, so weight 0 leaves their start as it was
-        heads["extreme"] = torch.nn.Linear(hidden, len(SIDES))
-        extreme_of = torch.tensor([extreme_labels(s, image_size, patch) for s in scenes])
     labels = [patch_labels(scene, image_size, patch) for scene in scenes]
     colour_of = torch.tensor([c for c, _ in labels])
     kind_of = torch.tensor([k for _, k in labels])
@@ -89,8 +88,8 @@ def pretrain_tower(
     params = [*tower.parameters(), *heads.parameters()]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
     tower.train()
-    bar = tqdm(range(steps), desc="stage 0: seeing")
-    for _ in bar:
+
+    def train_step(extreme_of: Any = None) -> tuple[float, float]:
         chosen = torch.tensor([rng.randrange(len(scenes)) for _ in range(batch)])
         states = tower(pool[chosen], output_hidden_states=True).hidden_states[-2]
         patches = states[:, 1:]  # the features the projector reads: CLS dropped
@@ -101,13 +100,28 @@ def pretrain_tower(
             + torch.nn.functional.cross_entropy(kind.flatten(0, 1), kind_of[chosen].flatten())
             + torch.nn.functional.cross_entropy(heads["count"](patches.mean(1)), count_of[chosen])
         )
-        if extreme_weight > 0:
-            loss = loss + extreme_weight * torch.nn.functional.binary_cross_entropy_with_logits(
+        if extreme_of is not None:
+            loss = loss + torch.nn.functional.binary_cross_entropy_with_logits(
                 heads["extreme"](patches), extreme_of[chosen]
             )
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        torch.nn.utils.clip_grad_norm_(
+            [p for g in optimizer.param_groups for p in g["params"]], 1.0
+        )
         optimizer.step()
-        right = (kind.argmax(-1) == kind_of[chosen]).float().mean()
-        bar.set_postfix(loss=f"{loss.item():.3f}", kinds=f"{right.item():.3f}")
+        return loss.item(), (kind.argmax(-1) == kind_of[chosen]).float().mean().item()
+
+    bar = tqdm(range(steps), desc="stage 0: seeing")
+    for _ in bar:
+        loss, right = train_step()
+        bar.set_postfix(loss=f"{loss:.3f}", kinds=f"{right:.3f}")
+    if not extreme_steps:
+        return
+    heads["extreme"] = torch.nn.Linear(hidden, len(SIDES))
+    optimizer.add_param_group({"params": list(heads["extreme"].parameters())})
+    extreme_of = torch.tensor([extreme_labels(s, image_size, patch) for s in scenes])
+    bar = tqdm(range(extreme_steps), desc="stage 0b: where")
+    for _ in bar:
+        loss, right = train_step(extreme_of)
+        bar.set_postfix(loss=f"{loss:.3f}", kinds=f"{right:.3f}")
