@@ -61,10 +61,11 @@ class ServerConfig:
     # 0 = measured: calibrated at start (engine/scheduling/calibrate.py), then re-derived
     # before every step from the steps actually run (engine/scheduling/pacing.py).
     step_token_budget: int = 0
-    # CPU threads for torch's own operators. 0 = one less than the CPUs this worker may use
-    # (at most torch's default): the core left over serves TorchServe's frontend and the image
-    # processes, whose work would otherwise stall every forward's thread barrier (measured on
-    # 2 cores: single decode steps of 190-300 ms against 12 ms while another process ran).
+    # CPU threads for torch's own operators. 0 = every CPU this worker may use (at most torch's
+    # default). The step loop runs every forward on one thread with torch's threads beside it,
+    # so with one core left to the frontend and the (niced) image processes it was the limit:
+    # on 2 cores opens queued (p95 23 s) at 0.68 conversations/s with 1 thread, and 2 threads
+    # held 0.72/s with opens' p95 2.6 s and follow-ups' p50 halved (bench/capacity.py).
     torch_threads: int = 0
     reaper_interval_s: float = 5.0
     # Snapshots: each session's conversation and image features on local disk, so a restarted

@@ -212,14 +212,14 @@ def test_budgets_in_mb_become_bytes() -> None:
 @pytest.mark.parametrize(
     ("configured", "usable", "torch_default", "expected"),
     [
-        (0, 2, 2, 1),  # 2 cores: one for torch, one for the frontend and the image threads
+        (0, 2, 2, 2),  # 2 cores: both for the step's forwards (bench/capacity.py)
         (0, 8, 4, 4),  # never more than torch's own default (its physical cores)
-        (0, 8, 8, 7),
-        (0, 1, 1, 1),  # one core: still one thread
+        (0, 4, 8, 4),  # never more than the CPUs the worker may use
+        (0, 1, 1, 1),  # one core: one thread
         (3, 2, 2, 3),  # as configured
     ],
 )
-def test_torch_threads_leave_a_cpu_for_the_frontend(
+def test_torch_threads_use_the_worker_s_cpus(
     configured: int, usable: int, torch_default: int, expected: int
 ) -> None:
     from llava.engine.model.loading import torch_threads

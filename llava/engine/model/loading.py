@@ -26,10 +26,10 @@ HOST = torch.device("cpu")
 
 
 def torch_threads(configured: int, usable_cpus: int, torch_default: int) -> int:
-    """The intra-op threads to run with: as configured, else one CPU left for everything else."""
+    """The intra-op threads to run with: as configured, else every CPU the worker may use."""
     if configured:
         return configured
-    return max(1, min(torch_default, usable_cpus - 1))
+    return max(1, min(torch_default, usable_cpus))
 
 
 def set_torch_threads(config: ServerConfig) -> int:
