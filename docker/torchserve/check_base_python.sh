@@ -18,9 +18,19 @@ if [[ ! -x "$root/usr/bin/python3.13" ]]; then
   debootstrap --variant=minbase --include=python3.13,python3.13-venv,ca-certificates \
     trixie "$root" http://deb.debian.org/debian
 fi
-for fs in proc dev dev/shm; do
-  mountpoint -q "$root/$fs" || mount --bind "/$fs" "$root/$fs"
-done
+mounted=()
+bind() { # bind-mount $1 at $root$2 unless something is there already; undone on exit
+  mkdir -p "$root$2"
+  if ! mountpoint -q "$root$2"; then
+    mount --bind "$1" "$root$2"
+    mounted=("$root$2" "${mounted[@]}")
+  fi
+}
+unbind() {
+  for path in "${mounted[@]}"; do umount "$path" || true; done
+}
+trap unbind EXIT
+for fs in /proc /dev /dev/shm; do bind "$fs" "$fs"; done
 # The host's CA bundle: package registries may sit behind a proxy with its own certificate.
 cp /etc/ssl/certs/ca-certificates.crt "$root/etc/ssl/certs/ca-certificates.crt"
 log "Debian's torch 2.6.0 and Java 21"
@@ -28,11 +38,8 @@ chroot "$root" bash -c "apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninter
   apt-get install -y -q --no-install-recommends python3-torch openjdk-21-jre-headless python3-venv"
 java_env=""
 if [[ -n "$host_java" ]]; then # e.g. /usr/lib/jvm/java-17-openjdk-amd64, with its /etc files
-  mkdir -p "$root/opt/host-java" "$root/etc/java-17-openjdk"
-  mountpoint -q "$root/opt/host-java" || mount --bind "$host_java" "$root/opt/host-java"
-  if [[ -d /etc/java-17-openjdk ]] && ! mountpoint -q "$root/etc/java-17-openjdk"; then
-    mount --bind /etc/java-17-openjdk "$root/etc/java-17-openjdk"
-  fi
+  bind "$host_java" /opt/host-java
+  if [[ -d /etc/java-17-openjdk ]]; then bind /etc/java-17-openjdk /etc/java-17-openjdk; fi
   java_env="export JAVA_HOME=/opt/host-java PATH=/opt/host-java/bin:\$PATH;"
 fi
 rm -rf "$root/root/kit" && git clone -q "$repo" "$root/root/kit"
