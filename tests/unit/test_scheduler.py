@@ -66,7 +66,16 @@ def test_each_prefill_chunk_pays_for_its_forward() -> None:
     plan = plan_step(work + [decoding(2)], budget=80, forward_cost=30)
     assert plan.prefill == {0: 20}  # 29 left: not even the open's forward fits
     plan = plan_step([Pending(1, False, prefill=100, follow_up=False)], budget=45, forward_cost=30)
-    assert plan.prefill == {1: 60}  # no decode: twice the budget, less the forward
+    assert plan.prefill == {1: 90}  # no decode: twice the budget, the forward paid outside it
+
+
+def test_a_lone_follow_up_prefills_in_one_forward() -> None:
+    """Nothing decoding: a question shorter than the idle step's budgets runs whole, even where
+    the forward's fixed cost is most of the budget (a CPU); splitting it would pay that cost
+    twice with no stream to protect (the 100-turn chat's late turns took two steps)."""
+    question = Pending(0, False, prefill=40)
+    assert plan_step([question], budget=28, forward_cost=40).prefill == {0: 40}
+    assert plan_step([question, decoding(1)], budget=28, forward_cost=40).prefill == {0: 7}
 
 
 def test_the_oldest_chunk_runs_however_dear_its_forward() -> None:

@@ -15,8 +15,10 @@ a sequence to a forward costs; only the first chunk of a step with nothing decod
 The oldest waiting piece always gets some of the step, so nothing starves; a piece that does not
 fit waits for the next step, and nothing behind it overtakes it. This is chunked prefill as vLLM
 and SGLang schedule it. A step in which no answer is decoding holds no stream, only requests
-arriving meanwhile: it may spend `IDLE_FACTOR` budgets, so opens on a quiet server run in fewer,
-fuller chunks (each forward's fixed cost paid less often).
+arriving meanwhile: it may spend `IDLE_FACTOR` budgets, and its first chunk's forward is paid
+outside them (it must run for anything to move), so opens on a quiet server run in fewer,
+fuller chunks (each forward's fixed cost paid less often) and a lone follow-up's few tokens in
+one forward, not two.
 
 Pure: no torch, so the policy is tested on its own.
 """
@@ -62,7 +64,8 @@ def plan_step(
     prefill chunk costing `forward_cost` on top of its tokens, or `rider_cost` where it rides a
     packed forward (None: the engine does not pack; every chunk runs a forward of its own)."""
     plan = StepPlan(decode=[w.index for w in work if w.decoding])
-    if not plan.decode:
+    idle = not plan.decode
+    if idle:
         budget *= IDLE_FACTOR
     cost = rider_cost if rider_cost is not None and plan.decode else forward_cost
     share = max(budget // MIN_PREFILL_SHARE, 1)
@@ -77,7 +80,7 @@ def plan_step(
             plan.encode.append(w.index)
             left -= w.tower_cost
         elif w.prefill:
-            room = left - cost if not first else max(left - cost, share)
+            room = left - cost if not first else max(left - (0 if idle else cost), share)
             if room <= 0:
                 break
             chunk = min(w.prefill, room)
