@@ -67,7 +67,7 @@ def plan_step(
     idle = not plan.decode
     if idle:
         budget *= IDLE_FACTOR
-    cost = rider_cost if rider_cost is not None and plan.decode else forward_cost
+    cost = rider_cost if rider_cost is not None and not idle else forward_cost
     share = max(budget // MIN_PREFILL_SHARE, 1)
     left = max(budget - len(plan.decode), share)
     waiting = [w for w in work if not w.decoding]

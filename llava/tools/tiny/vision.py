@@ -13,24 +13,31 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from llava.tools.tiny.scenes import COLOURS, SHAPES, Scene
+from llava.tools.tiny.scenes import COLOURS, SHAPES, Scene, Shape
 
 COLOUR_IDS = {name: i + 1 for i, name in enumerate(COLOURS)}  # 0: no shape centred here
 KIND_IDS = {name: i + 1 for i, name in enumerate(SHAPES)}
 
 
-def patch_labels(scene: Scene, image_size: int, patch: int) -> tuple[list[int], list[int]]:
-    """Return, per patch (row-major), the colour and kind of the shape centred in it (0 = none),
-    in the geometry of llava-1.5's preprocessing: padded to a centred square, then resized."""
+def patch_of(shape: Shape, scene: Scene, image_size: int, patch: int) -> int:
+    """Return the patch (row-major) a shape's centre falls in, in the geometry of llava-1.5's
+    preprocessing: padded to a centred square, then resized."""
     side = max(scene.width, scene.height)
     pad_x, pad_y = (side - scene.width) / 2, (side - scene.height) / 2
     grid = image_size // patch
-    colours, kinds = [0] * grid * grid, [0] * grid * grid
+    col = min(grid - 1, int((shape.x + pad_x) * image_size / side) // patch)
+    row = min(grid - 1, int((shape.y + pad_y) * image_size / side) // patch)
+    return row * grid + col
+
+
+def patch_labels(scene: Scene, image_size: int, patch: int) -> tuple[list[int], list[int]]:
+    """Return, per patch (row-major), the colour and kind of the shape centred in it (0 = none)."""
+    patches = (image_size // patch) ** 2
+    colours, kinds = [0] * patches, [0] * patches
     for shape in scene.shapes:
-        col = min(grid - 1, int((shape.x + pad_x) * image_size / side) // patch)
-        row = min(grid - 1, int((shape.y + pad_y) * image_size / side) // patch)
-        colours[row * grid + col] = COLOUR_IDS[shape.colour]
-        kinds[row * grid + col] = KIND_IDS[shape.kind]
+        at = patch_of(shape, scene, image_size, patch)
+        colours[at] = COLOUR_IDS[shape.colour]
+        kinds[at] = KIND_IDS[shape.kind]
     return colours, kinds
 
 
@@ -40,16 +47,11 @@ SIDES = ("left", "right", "top", "bottom")
 def extreme_labels(scene: Scene, image_size: int, patch: int) -> list[list[float]]:
     """Return, per patch, whether the shape centred there is the scene's clear extreme to each
     side: "which shape is on the left?" is a relation between patches no per-patch label holds."""
-    side = max(scene.width, scene.height)
-    pad_x, pad_y = (side - scene.width) / 2, (side - scene.height) / 2
-    grid = image_size // patch
-    labels = [[0.0] * len(SIDES) for _ in range(grid * grid)]
+    labels = [[0.0] * len(SIDES) for _ in range((image_size // patch) ** 2)]
     for i, name in enumerate(SIDES):
         shape = scene.extreme(name)
         if shape is not None:
-            col = min(grid - 1, int((shape.x + pad_x) * image_size / side) // patch)
-            row = min(grid - 1, int((shape.y + pad_y) * image_size / side) // patch)
-            labels[row * grid + col][i] = 1.0
+            labels[patch_of(shape, scene, image_size, patch)][i] = 1.0
     return labels
 
 
