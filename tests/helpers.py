@@ -229,6 +229,34 @@ class Greedy:
         assert len(tokens) == len(self.tokens), f"{where}: {tokens} against {self.tokens}"
 
 
+def assert_conversation(
+    reference: Any,
+    picture: Any,
+    prompts: list[str],
+    answers: list[Any],
+    tokens: int,
+    where: str = "",
+    *,
+    system_prompt: str | None = None,
+) -> None:
+    """Each answer (a turn, or a text) is the pipeline's on the conversation the kit had, up to
+    a near-tie (`Greedy.assert_close`); `reference` is a `Reference` or one with its `greedy`,
+    `messages` and `processor`."""
+    past: list[tuple[str, str]] = []
+    for n, (prompt, answer) in enumerate(zip(prompts, answers, strict=True)):
+        messages = reference.messages(system_prompt, past, prompt)
+        greedy = reference.greedy([picture], messages, tokens)
+        if isinstance(answer, str):  # through a server: the text only
+            text = answer
+            if text != greedy.text:
+                ids = reference.processor.tokenizer(text, add_special_tokens=False)["input_ids"]
+                greedy.assert_close(ids, f"{where} turn {n + 1}")
+        else:
+            text = answer.text
+            greedy.assert_close(answer.generated, f"{where} turn {n + 1}")
+        past.append((prompt, text))
+
+
 def _load_processor(checkpoint: Path) -> Any:
     """Load a checkpoint's processor; without torchvision, OneVision's leaves out its video part."""
     from transformers import AutoProcessor

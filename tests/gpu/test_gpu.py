@@ -18,7 +18,7 @@ import httpx
 import pytest
 import torch
 from gpu_setting import Setting
-from helpers import Reference, data_uri, make_image, serve_rows
+from helpers import Reference, assert_conversation, data_uri, make_image, serve_rows
 
 from llava.api.headers import SESSION_HEADER
 from llava.core.config import ServerConfig
@@ -82,29 +82,6 @@ def family(request: pytest.FixtureRequest, gpu: Setting, checkpoints: dict[str, 
         torch.cuda.empty_cache()
 
 
-def assert_conversation(
-    reference: Reference | Oracle,
-    picture: Any,
-    prompts: list[str],
-    answers: list[Any],
-    tokens: int = TOKENS,
-    where: str = "",
-) -> None:
-    """Each answer (a turn, or a text) is the pipeline's on the conversation the kit had."""
-    past: list[tuple[str, str]] = []
-    for n, (prompt, answer) in enumerate(zip(prompts, answers, strict=True)):
-        greedy = reference.greedy([picture], reference.messages(None, past, prompt), tokens)
-        if isinstance(answer, str):  # through a server: the text only
-            text = answer
-            if text != greedy.text:
-                ids = reference.processor.tokenizer(text, add_special_tokens=False)["input_ids"]
-                greedy.assert_close(ids, f"{where} turn {n + 1}")
-        else:
-            text = answer.text
-            greedy.assert_close(answer.generated, f"{where} turn {n + 1}")
-        past.append((prompt, text))
-
-
 def step_all(engine: LlavaEngine, turns: list[Any]) -> None:
     """Step turns together (their decodes batched) until every one is done; commit them."""
     while not all(turn.done for turn in turns):
@@ -123,7 +100,7 @@ def test_sessions_and_batched_decode_answer_as_the_pipeline(family) -> None:
         for i, turn in enumerate(turns):
             answered[i].append(turn)
     for i, state in enumerate(states):
-        assert_conversation(reference, image(i), PROMPTS, answered[i], where=f"session {i}")
+        assert_conversation(reference, image(i), PROMPTS, answered[i], TOKENS, where=f"session {i}")
         engine.release(state)
 
 
@@ -154,7 +131,9 @@ def test_an_open_rides_the_forward_of_the_answers_decoding(family) -> None:
         assert_conversation(reference, image(i), PROMPTS[:1], [turn], 4 * TOKENS, f"answer {i}")
     follow = engine.start_turn(opened, PROMPTS[1], GREEDY)
     step_all(engine, [follow])
-    assert_conversation(reference, image(2), PROMPTS[1:2], [follow], where="the opened session")
+    assert_conversation(
+        reference, image(2), PROMPTS[1:2], [follow], TOKENS, where="the opened session"
+    )
     for state in [*states, opened]:
         engine.release(state)
 
@@ -175,7 +154,7 @@ def test_tiers_device_to_pinned_host_to_features_and_back(family, gpu: Setting) 
     assert state.tier is Tier.FEATURES and state.cache is None
     turns.append(engine.run_to_end(engine.start_turn(state, PROMPTS[2], GREEDY)))
     assert turns[-1].found_in is Tier.FEATURES
-    assert_conversation(reference, image(0), PROMPTS, turns, where="through the tiers")
+    assert_conversation(reference, image(0), PROMPTS, turns, TOKENS, where="through the tiers")
     engine.release(state)
 
 
@@ -229,7 +208,7 @@ def test_a_real_out_of_memory_error_leaves_every_session_intact(family, gpu: Set
             prompts, texts = [PROMPTS[0]], [answer["text"]]
             if i == 0:
                 prompts, texts = [question, *prompts], [body["text"], *texts]
-            assert_conversation(reference, image(i), prompts, texts, where=f"session {i}")
+            assert_conversation(reference, image(i), prompts, texts, TOKENS, where=f"session {i}")
     finally:
         service.close()
 
@@ -258,4 +237,4 @@ def test_a_session_flow_through_torchserve(gpu: Setting, checkpoints, tmp_path: 
     finally:
         ts.stop()
     reference = Reference(checkpoint, dtype=gpu.torch_dtype, device=gpu.device)
-    assert_conversation(reference, image(1), PROMPTS, texts, where="through TorchServe")
+    assert_conversation(reference, image(1), PROMPTS, texts, TOKENS, where="through TorchServe")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from helpers import Reference, make_image
+from helpers import Reference, assert_conversation, make_image
 
 from llava.core.config import ServerConfig
 from llava.core.errors import SessionExpired
@@ -220,15 +220,11 @@ def test_bf16_session_is_the_bf16_pipeline_up_to_near_ties(tiny_checkpoint):
     assert bf16.runner.replicas[0].model.dtype == torch.bfloat16
     image = make_image(8)
     state = bf16.open_session(image, "Answer briefly.")
+    turns = [answer(bf16, state, p) for p in PROMPTS]
     oracle = Reference(tiny_checkpoint, dtype=torch.bfloat16)
-    past: list[tuple[str, str]] = []
-    for i, prompt in enumerate(PROMPTS):
-        turn = answer(bf16, state, prompt)
-        messages = oracle.messages("Answer briefly.", past, prompt)
-        oracle.greedy([image], messages, GREEDY.max_new_tokens).assert_close(
-            turn.generated, f"turn {i + 1}"
-        )
-        past.append((prompt, turn.text))
+    assert_conversation(
+        oracle, image, PROMPTS, turns, GREEDY.max_new_tokens, system_prompt="Answer briefly."
+    )
 
 
 @pytest.mark.parametrize(
