@@ -172,8 +172,14 @@ def test_chat_in_a_real_browser(page: Any, torchserve: TorchServe, tmp_path: Pat
     set_max_tokens(page, 1024)
     RecordingClient.release.clear()
     RecordingClient.hold_after = 20
+    page.evaluate("window.lengths = []")
     ask(page, "Tell me a very long story.")
-    page.wait_for_function("window.lengths.length > 3", timeout=30_000)
+    # Stop only once this answer shows: a Stop before its stream starts has nothing to stop.
+    page.wait_for_function(
+        "document.querySelectorAll('#chat [data-testid=\"bot\"]').length === 2"
+        " && window.lengths.length > 3",
+        timeout=30_000,
+    )
     with page.expect_response(lambda response: response.request.method == "POST"):
         page.click("#stop")  # answered once the page's server has taken the stop
     RecordingClient.hold_after = None
