@@ -134,27 +134,46 @@ def side_by_side(url: str, image: str, turns: int, tokens: int, repeats: int) ->
     return out
 
 
-def long_chat(url: str, image: str, turns: int, tokens: int) -> dict[str, Any]:
-    """One chat of many turns, header-less and with the session header turn by turn: follow-up
-    TTFT against the turn (both grow only with what the model itself computes)."""
-    chats = {
-        "header-less": Chat(url, image, "Answer briefly.", tokens, None),
-        "session": Chat(url, image, "Answer briefly (session).", tokens, NEW_SESSION),
+def long_chat(url: str, images: list[str], turns: int, tokens: int) -> dict[str, Any]:
+    """Chats of many turns, header-less and with the session header turn by turn, one per
+    image: follow-up TTFT against the turn, the median over the chats at each turn (both grow
+    only with what the model itself computes)."""
+    runs: dict[str, list[list[dict[str, Any]]]] = {"header-less": [], "session": []}
+    for n, image in enumerate(images):
+        chats = {
+            "header-less": Chat(url, image, f"Answer briefly. ({n})", tokens, None),
+            "session": Chat(url, image, f"Answer briefly (session {n}).", tokens, NEW_SESSION),
+        }
+        rows: dict[str, list[dict[str, Any]]] = {name: [] for name in chats}
+        for turn in range(turns):
+            for name, chat in chats.items():
+                rows[name].append({"turn": turn + 1, **chat.ask(QUESTIONS[turn % len(QUESTIONS)])})
+            if (turn + 1) % 10 == 0:
+                last = {name: r[-1]["ttft_ms"] for name, r in rows.items()}
+                print(f"long chat {n + 1}/{len(images)}: turn {turn + 1}, {last}", file=sys.stderr)
+        for name in runs:
+            runs[name].append(rows[name])
+    medians = {
+        name: [
+            {**chats[0][turn], "ttft_ms": statistics.median(c[turn]["ttft_ms"] for c in chats)}
+            for turn in range(turns)
+        ]
+        for name, chats in runs.items()
     }
-    rows: dict[str, list[dict[str, Any]]] = {name: [] for name in chats}
-    for turn in range(turns):
-        for name, chat in chats.items():
-            rows[name].append({"turn": turn + 1, **chat.ask(QUESTIONS[turn % len(QUESTIONS)])})
-        if (turn + 1) % 10 == 0:
-            print(f"long chat: turn {turn + 1}, {[r[-1] for r in rows.values()]}", file=sys.stderr)
-    out: dict[str, Any] = {"rows": rows}
-    for name, chat_rows in rows.items():
+    out: dict[str, Any] = {"chats": len(images), "rows": medians}
+    for name, chat_rows in medians.items():
         early = statistics.mean(r["ttft_ms"] for r in chat_rows[1:11])
         late = statistics.mean(r["ttft_ms"] for r in chat_rows[-10:])
+        each = [
+            statistics.mean(r["ttft_ms"] for r in c[-10:])
+            / statistics.mean(r["ttft_ms"] for r in c[1:11])
+            for c in runs[name]
+        ]
         out[name] = {
             "mean_turns_2_11_ms": round(early, 1),
             f"mean_turns_{turns - 9}_{turns}_ms": round(late, 1),
             "late_over_early": round(late / early, 3),
+            "late_over_early_each_chat": [round(r, 3) for r in each],
         }
     return out
 
@@ -175,12 +194,16 @@ def tables(results: dict[str, Any]) -> str:
     if long:
         lines += [
             "",
-            "| long chat | mean TTFT, turns 2-11 | mean TTFT, last 10 turns | late / early |",
+            "| long chat (median of chats per turn) | mean TTFT, turns 2-11 "
+            "| mean TTFT, last 10 turns | late / early (each chat) |",
             "|---|---:|---:|---:|",
         ]
         for name in ("header-less", "session"):
             early, late = [v for k, v in long[name].items() if k.startswith("mean_")]
-            lines.append(f"| {name} | {early} ms | {late} ms | {long[name]['late_over_early']}x |")
+            each = ", ".join(f"{r}x" for r in long[name]["late_over_early_each_chat"])
+            lines.append(
+                f"| {name} | {early} ms | {late} ms | {long[name]['late_over_early']}x ({each}) |"
+            )
     return "\n".join(lines)
 
 
@@ -193,6 +216,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--long-turns", type=int, default=100)
+    parser.add_argument("--long-chats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args(argv)
 
@@ -209,7 +233,8 @@ def main(argv: list[str] | None = None) -> None:
             "side_by_side": side_by_side(url, image, args.turns, args.tokens, args.repeats),
         }
         if args.long_turns:
-            results["long_chat"] = long_chat(url, photo_uri(8, (640, 400)), args.long_turns, 8)
+            images = [photo_uri(8 + n, (640, 400)) for n in range(args.long_chats)]
+            results["long_chat"] = long_chat(url, images, args.long_turns, 8)
     finally:
         ts.stop()
     write_results(args.out / "chats.json", results, tables(results))
