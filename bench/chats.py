@@ -9,9 +9,12 @@ LibreChat, LangChain and Gradio send: no session header; the kit finds what it h
 chat), **session header** (`X-Amzn-SageMaker-Session-Id`, the kit's stateful path) and
 **one-shot** (the same chat with a system prompt no other request shares, so nothing held
 matches: everything is recomputed, as a server without reuse would). Time to first token is the
-client's: the first streamed chunk that carries a token. Then one header-less chat of
-`--long-turns` turns, for the curve of follow-up TTFT against the turn. Figures go to
-bench/results/chats.json and the terminal (Markdown tables).
+client's: the first streamed chunk that carries a token. Then `--long-chats` chats of
+`--long-turns` turns, header-less and with the header, for the curve of follow-up TTFT against
+the turn, and beside it the model's own forward over each turn's new tokens at that context
+(transformers alone, the server stopped): on a CPU attention over a long cache is a real part
+of a forward, which no server removes. Figures go to bench/results/chats.json and the
+terminal (Markdown tables).
 """
 
 from __future__ import annotations
@@ -178,6 +181,54 @@ def long_chat(url: str, images: list[str], turns: int, tokens: int) -> dict[str,
     return out
 
 
+def floors(model_dir: Path, rows: list[dict[str, Any]], repeats: int = 5) -> list[float]:
+    """The model's own cost of each turn: one bare forward (transformers, no kit) over the
+    turn's new tokens on a cache as long as what the turn reused, timed with the server
+    stopped, on as many threads as the server's torch (all CPUs). The ids are random: a
+    forward's time depends on the lengths only."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    longest = max(r["cached_tokens"] for r in rows)
+    out: dict[int, float] = {}
+    with torch.inference_mode():
+        cache = model(input_ids=torch.randint(3, 300, (1, longest)), use_cache=True).past_key_values
+        length = longest
+        for i in sorted(range(len(rows)), key=lambda i: -rows[i]["cached_tokens"]):
+            context, new = (
+                rows[i]["cached_tokens"],
+                rows[i]["prompt_tokens"] - rows[i]["cached_tokens"],
+            )
+            if length > context:
+                cache.crop(context - length)
+                length = context
+            times = []
+            for _ in range(repeats):
+                started = time.perf_counter()
+                ids = torch.randint(3, 300, (1, max(new, 1)))
+                model(input_ids=ids, past_key_values=cache, logits_to_keep=1)
+                times.append((time.perf_counter() - started) * 1000)
+                cache.crop(-max(new, 1))
+            out[i] = statistics.median(times)
+    return [round(out[i], 1) for i in range(len(rows))]
+
+
+def add_floors(model_dir: Path, long: dict[str, Any]) -> None:
+    """Beside each long chat's early and late TTFT, the model's own forward at those turns:
+    what grows with the context on this machine whatever serves it."""
+    for name in ("header-less", "session"):
+        rows = long["rows"][name]
+        turns = [*rows[1:11], *rows[-10:]]
+        floor = floors(model_dir, turns)
+        early, late = statistics.mean(floor[:10]), statistics.mean(floor[10:])
+        long[name]["floor_early_ms"], long[name]["floor_late_ms"] = round(early, 1), round(late, 1)
+        long[name]["floor_late_over_early"] = round(late / early, 3)
+        over = [r["ttft_ms"] - f for r, f in zip(turns, floor, strict=True)]
+        long[name]["above_floor_early_ms"] = round(statistics.mean(over[:10]), 1)
+        long[name]["above_floor_late_ms"] = round(statistics.mean(over[10:]), 1)
+
+
 def tables(results: dict[str, Any]) -> str:
     side = results["side_by_side"]
     lines = [
@@ -195,14 +246,19 @@ def tables(results: dict[str, Any]) -> str:
         lines += [
             "",
             "| long chat (median of chats per turn) | mean TTFT, turns 2-11 "
-            "| mean TTFT, last 10 turns | late / early (each chat) |",
-            "|---|---:|---:|---:|",
+            "| mean TTFT, last 10 turns | late / early (each chat) "
+            "| model's own forward, early -> late | TTFT above it, early -> late |",
+            "|---|---:|---:|---:|---:|---:|",
         ]
         for name in ("header-less", "session"):
             early, late = [v for k, v in long[name].items() if k.startswith("mean_")]
-            each = ", ".join(f"{r}x" for r in long[name]["late_over_early_each_chat"])
+            figures = long[name]
+            each = ", ".join(f"{r}x" for r in figures["late_over_early_each_chat"])
             lines.append(
-                f"| {name} | {early} ms | {late} ms | {long[name]['late_over_early']}x ({each}) |"
+                f"| {name} | {early} ms | {late} ms | {figures['late_over_early']}x ({each}) "
+                f"| {figures['floor_early_ms']} -> {figures['floor_late_ms']} ms "
+                f"({figures['floor_late_over_early']}x) "
+                f"| {figures['above_floor_early_ms']} -> {figures['above_floor_late_ms']} ms |"
             )
     return "\n".join(lines)
 
@@ -237,6 +293,8 @@ def main(argv: list[str] | None = None) -> None:
             results["long_chat"] = long_chat(url, images, args.long_turns, 8)
     finally:
         ts.stop()
+    if args.long_turns:
+        add_floors(resolve_model(args.model), results["long_chat"])
     write_results(args.out / "chats.json", results, tables(results))
 
 
