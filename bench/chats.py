@@ -139,8 +139,7 @@ def side_by_side(url: str, image: str, turns: int, tokens: int, repeats: int) ->
 
 def long_chat(url: str, images: list[str], turns: int, tokens: int) -> dict[str, Any]:
     """Chats of many turns, header-less and with the session header turn by turn, one per
-    image: follow-up TTFT against the turn, the median over the chats at each turn (both grow
-    only with what the model itself computes)."""
+    image: follow-up TTFT against the turn, the median over the chats at each turn."""
     runs: dict[str, list[list[dict[str, Any]]]] = {"header-less": [], "session": []}
     for n, image in enumerate(images):
         chats = {
@@ -181,15 +180,13 @@ def long_chat(url: str, images: list[str], turns: int, tokens: int) -> dict[str,
     return out
 
 
-def floors(model_dir: Path, rows: list[dict[str, Any]], repeats: int = 5) -> list[float]:
+def floors(model: Any, rows: list[dict[str, Any]], repeats: int = 5) -> list[float]:
     """The model's own cost of each turn: one bare forward (transformers, no kit) over the
     turn's new tokens on a cache as long as what the turn reused, timed with the server
     stopped, on as many threads as the server's torch (all CPUs). The ids are random: a
     forward's time depends on the lengths only."""
     import torch
-    from transformers import AutoModelForImageTextToText
 
-    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     longest = max(r["cached_tokens"] for r in rows)
     out: dict[int, float] = {}
     with torch.inference_mode():
@@ -217,10 +214,14 @@ def floors(model_dir: Path, rows: list[dict[str, Any]], repeats: int = 5) -> lis
 def add_floors(model_dir: Path, long: dict[str, Any]) -> None:
     """Beside each long chat's early and late TTFT, the model's own forward at those turns:
     what grows with the context on this machine whatever serves it."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     for name in ("header-less", "session"):
         rows = long["rows"][name]
         turns = [*rows[1:11], *rows[-10:]]
-        floor = floors(model_dir, turns)
+        floor = floors(model, turns)
         early, late = statistics.mean(floor[:10]), statistics.mean(floor[10:])
         long[name]["floor_early_ms"], long[name]["floor_late_ms"] = round(early, 1), round(late, 1)
         long[name]["floor_late_over_early"] = round(late / early, 3)
