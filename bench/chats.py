@@ -276,6 +276,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--long-chats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args(argv)
+    if 0 < args.long_turns < 20:  # turns 2-11 against the last 10: two windows apart
+        parser.error("--long-turns must be 0 (none) or at least 20")
 
     from llava.tools.archive import build_archive, resolve_model
 
