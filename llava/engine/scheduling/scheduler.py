@@ -15,8 +15,9 @@ a sequence to a forward costs; only the first chunk of a step with nothing decod
 The oldest waiting piece always gets some of the step, so nothing starves; a piece that does not
 fit waits for the next step, and nothing behind it overtakes it. This is chunked prefill as vLLM
 and SGLang schedule it. A step in which no answer is decoding holds no stream, only requests
-arriving meanwhile: it may spend `IDLE_FACTOR` budgets, and its first chunk's forward is paid
-outside them (it must run for anything to move), so opens on a quiet server run in fewer,
+arriving meanwhile: it may spend `IDLE_FACTOR` budgets, and its first chunk may fill them
+whole, its forward's cost not taken from its room (that forward must run for anything to move;
+the cost still counts against what later pieces get), so opens on a quiet server run in fewer,
 fuller chunks (each forward's fixed cost paid less often) and a lone follow-up's few tokens in
 one forward, not two.
 
@@ -80,7 +81,9 @@ def plan_step(
             plan.encode.append(w.index)
             left -= w.tower_cost
         elif w.prefill:
-            room = left - cost if not first else max(left - (0 if idle else cost), share)
+            room = left - cost
+            if first:  # the oldest always runs; idle, its forward is not taken from its room
+                room = left if idle else max(room, share)
             if room <= 0:
                 break
             chunk = min(w.prefill, room)
