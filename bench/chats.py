@@ -137,6 +137,14 @@ def side_by_side(url: str, image: str, turns: int, tokens: int, repeats: int) ->
     return out
 
 
+EARLY, LATE = slice(1, 11), slice(-10, None)  # turns 2-11, and the last 10
+
+
+def early_late(values: list[float]) -> tuple[float, float]:
+    """The mean of a long chat's figures over turns 2-11, and over its last 10 turns."""
+    return statistics.mean(values[EARLY]), statistics.mean(values[LATE])
+
+
 def long_chat(url: str, images: list[str], turns: int, tokens: int) -> dict[str, Any]:
     """Chats of many turns, header-less and with the session header turn by turn, one per
     image: follow-up TTFT against the turn, the median over the chats at each turn."""
@@ -164,13 +172,8 @@ def long_chat(url: str, images: list[str], turns: int, tokens: int) -> dict[str,
     }
     out: dict[str, Any] = {"chats": len(images), "rows": medians}
     for name, chat_rows in medians.items():
-        early = statistics.mean(r["ttft_ms"] for r in chat_rows[1:11])
-        late = statistics.mean(r["ttft_ms"] for r in chat_rows[-10:])
-        each = [
-            statistics.mean(r["ttft_ms"] for r in c[-10:])
-            / statistics.mean(r["ttft_ms"] for r in c[1:11])
-            for c in runs[name]
-        ]
+        early, late = early_late([r["ttft_ms"] for r in chat_rows])
+        each = [b / a for a, b in (early_late([r["ttft_ms"] for r in c]) for c in runs[name])]
         out[name] = {
             "mean_turns_2_11_ms": round(early, 1),
             f"mean_turns_{turns - 9}_{turns}_ms": round(late, 1),
@@ -220,7 +223,7 @@ def add_floors(model_dir: Path, long: dict[str, Any]) -> None:
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     for name in ("header-less", "session"):
         rows = long["rows"][name]
-        turns = [*rows[1:11], *rows[-10:]]
+        turns = [*rows[EARLY], *rows[LATE]]  # 10 turns each, timed on one cache
         floor = floors(model, turns)
         early, late = statistics.mean(floor[:10]), statistics.mean(floor[10:])
         long[name]["floor_early_ms"], long[name]["floor_late_ms"] = round(early, 1), round(late, 1)
@@ -252,8 +255,11 @@ def tables(results: dict[str, Any]) -> str:
             "|---|---:|---:|---:|---:|---:|",
         ]
         for name in ("header-less", "session"):
-            early, late = [v for k, v in long[name].items() if k.startswith("mean_")]
-            figures = long[name]
+            figures, turns = long[name], len(long["rows"][name])
+            early, late = (
+                figures["mean_turns_2_11_ms"],
+                figures[f"mean_turns_{turns - 9}_{turns}_ms"],
+            )
             each = ", ".join(f"{r}x" for r in figures["late_over_early_each_chat"])
             lines.append(
                 f"| {name} | {early} ms | {late} ms | {figures['late_over_early']}x ({each}) "
