@@ -314,6 +314,11 @@ class LlavaEngine:
         answers it has no room for decode alone."""
         self.runner.decoder.batch_budget = budget
 
+    def limit_workspace(self, reserve: int | None) -> None:
+        """Bound what a step's forward may allocate beyond the caches (the activation reserve
+        the device budget leaves): prefill chunks are cut to fit (`workspace.py`)."""
+        self.runner.workspace_reserve = reserve
+
     @staticmethod
     def out_of_memory(exc: BaseException) -> bool:
         """Tell a device out-of-memory error (worth a retry once memory is freed)."""

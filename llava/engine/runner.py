@@ -17,6 +17,7 @@ from llava.engine.decoding.decoder import Decoder
 from llava.engine.model.forward import forward
 from llava.engine.model.packed import enable_packing
 from llava.engine.model.vision import image_token_id, tower_ratio, vision_part
+from llava.engine.model.workspace import Workspace
 from llava.engine.scheduling.pacing import StepCosts, StepPacer
 from llava.engine.state.chat import ChatFormatter
 from llava.engine.state.imageset import ImageEncoder
@@ -63,6 +64,8 @@ class ModelRunner:
         budget = config.step_token_budget or DEFAULT_STEP_BUDGET
         self.fixed_costs = StepCosts(budget, tower_ratio(model), 0, 0)
         self.pacer: StepPacer | None = None
+        self.workspace = Workspace.of(model)
+        self.workspace_reserve: int | None = None  # bytes a step's forward may allocate
 
     @staticmethod
     def _tower_in_preparer(config: ServerConfig, replicas: list[Replica]) -> bool:

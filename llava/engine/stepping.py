@@ -19,7 +19,7 @@ import torch
 from llava.engine.decoding.sampling import next_token
 from llava.engine.model.cache import crop_to
 from llava.engine.model.packed import Piece, packed_forward
-from llava.engine.scheduling.scheduler import Pending, plan_step
+from llava.engine.scheduling.scheduler import Pending, RoomFor, plan_step
 from llava.engine.state.session import Turn
 
 if TYPE_CHECKING:
@@ -32,7 +32,7 @@ def run_step(runner: ModelRunner, turns: list[Turn]) -> dict[int, BaseException]
     costs = runner.pacer.costs() if runner.pacer is not None else runner.fixed_costs
     work = [_pending(i, t, costs.tower_ratio) for i, t in enumerate(turns) if not t.done]
     rider = costs.rider_cost if runner.packs else None
-    plan = plan_step(work, costs.budget, costs.forward_cost, rider)
+    plan = plan_step(work, costs.budget, costs.forward_cost, rider, _room_for(runner))
     tower_tokens = sum(turns[i].tower_tokens for i in plan.encode)
     errors: dict[int, BaseException] = {}
     started = _clock(runner)
@@ -163,6 +163,20 @@ def _clock(runner: ModelRunner) -> float:
     return time.perf_counter()
 
 
+def _room_for(runner: ModelRunner) -> RoomFor | None:
+    """What bounds a chunk's tokens by the bytes its forward may allocate (`workspace.py`):
+    packed, beside every piece planned so far (on one replica or not: an upper bound);
+    unpacked, its forward runs alone."""
+    reserve, workspace = runner.workspace_reserve, runner.workspace
+    if reserve is None:
+        return None
+
+    def room(context: int, planned: list[tuple[int, int]]) -> int:
+        return workspace.room(context, planned if runner.packs else [], reserve)
+
+    return room
+
+
 def _pending(index: int, turn: Turn, tower_ratio: float) -> Pending:
     tower = turn.tower_tokens
     return Pending(
@@ -171,6 +185,7 @@ def _pending(index: int, turn: Turn, tower_ratio: float) -> Pending:
         tower_cost=max(1, round(tower * tower_ratio)) if tower else 0,
         prefill=len(turn.pending),
         follow_up=turn.start_len > 0,
+        context=len(turn.fed),
     )
 
 

@@ -99,6 +99,7 @@ def assemble(
     )
     memory = TieredMemory(llava_engine, budgets.device, budgets.host)
     llava_engine.limit_batches(budgets.device)  # the batch has the budget's other half
+    llava_engine.limit_workspace(budgets.workspace)
     name = state_name or model_name
     registry, left_open = open_registry(name, registry_dir)
     # Snapshots need the registry: it alone tells which sessions an earlier worker left open.

@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from llava.engine.model import budget
-from llava.engine.model.budget import GIB, available_host_bytes, derive_budgets, device_budget
+from llava.engine.model.budget import (
+    GIB,
+    available_host_bytes,
+    derive_budgets,
+    device_budget,
+    workspace_budget,
+)
 
 
 def test_the_device_budget_keeps_an_activation_reserve_and_room_for_the_decode_batch() -> None:
@@ -45,6 +51,20 @@ def test_on_gpus_the_free_memory_of_every_card_counts(monkeypatch: pytest.Monkey
 
 
 def test_configured_budgets_are_kept(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: pytest.fail("must not be asked"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (8 * GIB, 24 * GIB))
     derived = derive_budgets([torch.device("cuda", 0)], 123, 456)
     assert (derived.device, derived.host) == (123, 456)
+    assert derived.workspace == GIB // 2  # the card's activation reserve is still kept
+
+
+def test_a_step_may_allocate_half_the_reserve_of_the_fullest_card(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each forward runs on one card: the one with the least free memory bounds them all."""
+    free = {0: 40 * GIB, 1: 8 * GIB}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (free[d.index], 80 * GIB))
+    monkeypatch.setattr(budget, "available_host_bytes", lambda: None)
+    derived = derive_budgets([torch.device("cuda", 0), torch.device("cuda", 1)], None, None)
+    assert derived.workspace == GIB // 2  # 8 GiB free: 1 GiB reserved, half for the forward
+    assert workspace_budget(60 * GIB) == 3 * GIB  # a large card: 10% reserved
+    assert derive_budgets([torch.device("cpu")], None, None).workspace is None

@@ -92,3 +92,28 @@ def test_packed_chunks_pay_what_they_add_to_a_forward_that_runs_anyway() -> None
     # No decode: the first chunk starts the forward (30), the next rides it (5).
     plan = plan_step(work, budget=45, forward_cost=30, rider_cost=5)
     assert plan.prefill == {0: 20, 1: 35}
+
+
+def test_memory_cuts_a_chunk_to_what_its_forward_has_bytes_for() -> None:
+    """`room_for` sees each chunk's cached context and every piece planned before it (the
+    decodes, then earlier chunks), and no chunk exceeds what it allows."""
+    asked: list[tuple[int, list[tuple[int, int]]]] = []
+
+    def room_for(context: int, planned: list[tuple[int, int]]) -> int:
+        asked.append((context, list(planned)))
+        return 100 - sum(n for _, n in planned)  # 100 tokens' worth of bytes in the forward
+
+    work = [
+        Pending(0, True, context=7),
+        Pending(1, False, prefill=60, context=900),
+        Pending(2, False, prefill=60, context=30),
+    ]
+    plan = plan_step(work, budget=1000, room_for=room_for)
+    assert plan.prefill == {1: 60, 2: 39}
+    assert asked == [(900, [(7, 1)]), (30, [(7, 1), (900, 60)])]
+
+
+def test_under_memory_the_oldest_piece_still_moves_and_the_rest_wait() -> None:
+    work = [Pending(0, False, prefill=60), Pending(1, False, prefill=60)]
+    plan = plan_step(work, budget=1000, room_for=lambda context, planned: 0)
+    assert plan.prefill == {0: 1}  # nothing fits: a token, so nothing starves

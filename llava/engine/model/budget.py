@@ -7,6 +7,9 @@ decoding session's cache is copied into the stacked decode batch while it decode
 buffers are the other half). The host budget is half the memory the kernel reports available.
 Past the device budget idle sessions move to host memory, past the host budget they keep only
 their image features (see `sessions/memory.py`), so no default lets sessions fill the card.
+Half the activation reserve of the card with the least free memory bounds what one step's
+forward may allocate (`workspace.py` cuts prefill chunks to fit); the other half is the vision
+tower's run and the allocator's slack.
 """
 
 from __future__ import annotations
@@ -30,12 +33,22 @@ class Budgets:
 
     device: int | None
     host: int | None
+    workspace: int | None = None  # bytes a step's forward may allocate (None: unbounded)
+
+
+def activation_reserve(free_bytes: int) -> int:
+    """Return the bytes kept free for activations on a device with `free_bytes` free."""
+    return max(ACTIVATION_FLOOR, int(free_bytes * ACTIVATION_SHARE))
 
 
 def device_budget(free_bytes: int) -> int:
     """Return the bytes session caches may hold on a device with `free_bytes` free."""
-    reserve = max(ACTIVATION_FLOOR, int(free_bytes * ACTIVATION_SHARE))
-    return max(0, (free_bytes - reserve) // 2)
+    return max(0, (free_bytes - activation_reserve(free_bytes)) // 2)
+
+
+def workspace_budget(free_bytes: int) -> int:
+    """Return the bytes one step's forward may allocate on a device with `free_bytes` free."""
+    return activation_reserve(free_bytes) // 2
 
 
 def host_budget(available_bytes: int) -> int:
@@ -62,6 +75,15 @@ def derive_budgets(
     On CPU the device is host memory: only the host budget is derived there.
     """
     gpus = [d for d in devices if d.type == "cuda"]
+    workspace = None
+    if gpus:
+        least = min(torch.cuda.mem_get_info(d)[0] for d in gpus)
+        workspace = workspace_budget(least)
+        log.info(
+            "step workspace: %.2f GiB per forward (half the activation reserve of the card with "
+            "the least free memory); prefill chunks are cut to fit",
+            workspace / GIB,
+        )
     if device_bytes is None and gpus:
         free = sum(torch.cuda.mem_get_info(d)[0] for d in gpus)
         device_bytes = device_budget(free)
@@ -82,4 +104,4 @@ def derive_budgets(
                 available / GIB,
                 host_bytes / GIB,
             )
-    return Budgets(device_bytes, host_bytes)
+    return Budgets(device_bytes, host_bytes, workspace)

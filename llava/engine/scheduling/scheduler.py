@@ -26,6 +26,7 @@ Pure: no torch, so the policy is tested on its own.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 # The share of the budget kept for starting answers however many answers are decoding.
@@ -43,6 +44,12 @@ class Pending:
     tower_cost: int = 0  # budget units of vision-tower work still to run (0: encoded)
     prefill: int = 0  # prompt tokens still to prefill
     follow_up: bool = True  # a question on an open session (not an open or a one-shot answer)
+    context: int = 0  # tokens its cache holds: what a chunk's attention reads
+
+
+# The most tokens a chunk over `context` cached tokens may take in a forward that also runs the
+# pieces planned so far ((context, tokens) each, a decoding answer one token): memory's bound.
+RoomFor = Callable[[int, list[tuple[int, int]]], int]
 
 
 @dataclass
@@ -59,12 +66,18 @@ class StepPlan:
 
 
 def plan_step(
-    work: list[Pending], budget: int, forward_cost: int = 0, rider_cost: int | None = None
+    work: list[Pending],
+    budget: int,
+    forward_cost: int = 0,
+    rider_cost: int | None = None,
+    room_for: RoomFor | None = None,
 ) -> StepPlan:
     """Choose this step's decodes, tower runs and prefill chunks within `budget` tokens, a
     prefill chunk costing `forward_cost` on top of its tokens, or `rider_cost` where it rides a
-    packed forward (None: the engine does not pack; every chunk runs a forward of its own)."""
+    packed forward (None: the engine does not pack; every chunk runs a forward of its own),
+    and no chunk larger than `room_for` allows (None: memory is not bounded)."""
     plan = StepPlan(decode=[w.index for w in work if w.decoding])
+    planned = [(w.context, 1) for w in work if w.decoding]
     idle = not plan.decode
     if idle:
         budget *= IDLE_FACTOR
@@ -87,6 +100,12 @@ def plan_step(
             if room <= 0:
                 break
             chunk = min(w.prefill, room)
+            if room_for is not None:
+                fits = room_for(w.context, planned)
+                if fits <= 0 and not first:
+                    break
+                chunk = max(min(chunk, fits), 1)
+                planned.append((w.context, chunk))
             plan.prefill[w.index] = chunk
             left -= cost + chunk
             if rider_cost is not None:  # the step's forward now runs: later chunks ride it
