@@ -9,7 +9,7 @@ import os
 import random
 import shutil
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -366,3 +366,21 @@ def in_private_network() -> bool:
     """Ray binds the machine's own address: its tests run only where `make test-ray` put them in
     a private network namespace holding only loopback."""
     return os.environ.get("LLAVA_NETNS") == "1"
+
+
+def peak_bytes(run: Callable[[], object]) -> int:
+    """Return the most bytes `run` held at once beyond what was allocated before it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as recorded:
+        run()
+    events = sorted(
+        (e.time_range.start, e.self_cpu_memory_usage)
+        for e in recorded.events()
+        if e.self_cpu_memory_usage
+    )
+    live = top = 0
+    for _, change in events:
+        live += change
+        top = max(top, live)
+    return top

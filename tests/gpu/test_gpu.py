@@ -18,7 +18,14 @@ import httpx
 import pytest
 import torch
 from gpu_setting import Setting
-from helpers import Reference, assert_conversation, data_uri, make_image, serve_rows
+from helpers import (
+    Reference,
+    assert_conversation,
+    data_uri,
+    make_image,
+    peak_bytes,
+    serve_rows,
+)
 
 from llava.api.headers import SESSION_HEADER
 from llava.core.config import ServerConfig
@@ -156,6 +163,54 @@ def test_tiers_device_to_pinned_host_to_features_and_back(family, gpu: Setting) 
     assert turns[-1].found_in is Tier.FEATURES
     assert_conversation(reference, image(0), PROMPTS, turns, TOKENS, where="through the tiers")
     engine.release(state)
+
+
+def step_peak(engine: LlavaEngine, turns: list[Any], device: str) -> int:
+    """Run one step; return the most bytes it held at once beyond what was allocated before
+    (on CUDA the allocator's peak, on the CPU its events)."""
+    if device != "cuda":
+        return peak_bytes(lambda: engine.step(turns))
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    assert engine.step(turns) == {}
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
+def test_a_step_allocates_no_more_than_the_budget_reserves(family, gpu: Setting) -> None:
+    """A long conversation's long follow-up prefills beside two answers decoding, under a step
+    workspace that fits a 128-token chunk: every step's allocations stay within that workspace
+    and the decode batch's budget, and every answer is still the pipeline's."""
+    engine, reference = family
+    long = "Describe every shape, colour and corner you can see in this picture. " * 8
+    states = [engine.open_session(image(i)) for i in range(3)]
+    first = engine.run_to_end(engine.start_turn(states[0], long, GREEDY))
+    engine.finish_turn(first)
+    context = len(states[0].cache_ids)
+    reserve = engine.runner.workspace.forward_bytes([(context, 128)])
+    batch = 256 << 20 if gpu.device == "cuda" else 256 << 10
+    engine.limit_workspace(reserve)
+    engine.limit_batches(batch)
+    try:
+        turns = [engine.start_turn(s, PROMPTS[0], GREEDY) for s in states[1:]]
+        while any(turn.prefilling for turn in turns):
+            assert engine.step(turns) == {}
+        turns.insert(0, engine.start_turn(states[0], long, GREEDY))
+        peaks = []
+        while not all(turn.done for turn in turns):
+            peaks.append(step_peak(engine, [t for t in turns if not t.done], gpu.device))
+        for turn in turns:
+            engine.finish_turn(turn)
+    finally:
+        engine.limit_workspace(None)
+        engine.limit_batches(None)
+    assert max(peaks) <= reserve + batch, (max(peaks), reserve, batch)
+    assert_conversation(reference, image(0), [long, long], [first, turns[0]], TOKENS, "long")
+    for i, turn in enumerate(turns[1:], start=1):
+        assert_conversation(reference, image(i), PROMPTS[:1], [turn], TOKENS, f"answer {i}")
+    for state in states:
+        engine.release(state)
 
 
 class Images:

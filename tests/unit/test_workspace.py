@@ -10,15 +10,13 @@ and the batch budget, the chunk is cut to fit, and every answer is still the pip
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from helpers import Reference, make_image
-from torch.profiler import ProfilerActivity, profile
+from helpers import Reference, make_image, peak_bytes
 
 from llava.core.config import ServerConfig
 from llava.core.params import GenerationParams
@@ -38,22 +36,6 @@ MIXES = [
     [(100, 50), (900, 1), (300, 1)],
     [(2000, 300), (500, 120), (40, 1), (40, 1)],
 ]
-
-
-def peak_bytes(run: Callable[[], object]) -> int:
-    """Return the most bytes `run` held at once beyond what was allocated before it."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as recorded:
-        run()
-    events = sorted(
-        (e.time_range.start, e.self_cpu_memory_usage)
-        for e in recorded.events()
-        if e.self_cpu_memory_usage
-    )
-    live = top = 0
-    for _, change in events:
-        live += change
-        top = max(top, live)
-    return top
 
 
 def forward_peak(engine: LlavaEngine, mix: list[tuple[int, int]]) -> int:
