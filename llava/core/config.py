@@ -50,9 +50,9 @@ class ServerConfig:
     # the conversations it holds wait behind a growing queue of images. 0 = no limit.
     max_opening: int = 16
     # Memory tiers (0 = derived at start from the free memory: see engine/model/budget.py): past the
-    # device budget the least recently used sessions' caches move to host memory; past the host
-    # budget they keep only their image features (recomputed on their next turn); past that
-    # they are evicted.
+    # device budget (per GPU) the least recently used sessions' caches move to host memory; past
+    # the host budget they keep only their image features (recomputed on their next turn); past
+    # that they are evicted.
     device_budget_mb: float = 0.0
     host_budget_mb: float = 0.0
     cache_mode: str = "kv"  # "kv": per-session KV cache; "pixels": the reference design

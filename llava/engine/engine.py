@@ -170,6 +170,10 @@ class LlavaEngine:
         """Keep only the image features of a session; return the bytes freed."""
         return tiers.drop_cache(state)
 
+    def card(self, state: SessionState) -> int:
+        """Return which replica's device holds a session (its device budget is that card's)."""
+        return self.runner.replicas.index(state.replica)
+
     # -- turns -----------------------------------------------------------------------------
     @torch.inference_mode()
     def start_turn(

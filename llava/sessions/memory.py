@@ -1,9 +1,10 @@
 """The tiered memory policy: device cache -> host cache -> image features only -> evicted.
 
 Applied by the session store to idle sessions, least recently used first, whenever a session is
-added or finishes a turn. Each step down frees memory at a price paid only if the session comes
-back: a copy back to the device, or recomputing its prefix from the kept image features (the
-answers stay the same either way).
+added or finishes a turn. The device budget holds per card: a session's cache can only leave
+the card it is on, so each card's sessions are kept within it on their own. Each step down
+frees memory at a price paid only if the session comes back: a copy back to the device, or
+recomputing its prefix from the kept image features (the answers stay the same either way).
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ class TierMover(Protocol):
 
     def offload(self, state: Any) -> int: ...
     def drop_cache(self, state: Any) -> int: ...
+    def card(self, state: Any) -> int: ...
 
 
 class TieredMemory:
-    """Keep device and host bytes of all sessions within their budgets (None = unbounded)."""
+    """Keep each card's device bytes and all sessions' host bytes within their budgets (None =
+    unbounded)."""
 
     def __init__(
         self, engine: TierMover, device_budget: int | None, host_budget: int | None
@@ -38,11 +41,14 @@ class TieredMemory:
         idle = [s for s in idle_sessions(sessions, keep) if s.state is not None]
         victims: list[Session] = []
         if self.device_budget is not None:
-            used = sum(state.device_bytes for state in states)
+            on_card: dict[int, int] = {}
+            for state in states:
+                card = self.engine.card(state)
+                on_card[card] = on_card.get(card, 0) + state.device_bytes
             for session in idle:
-                if used <= self.device_budget:
-                    break
-                used -= self.engine.offload(session.state)
+                card = self.engine.card(session.state)
+                if on_card[card] > self.device_budget:
+                    on_card[card] -= self.engine.offload(session.state)
         if self.host_budget is not None:
             used = sum(state.host_bytes for state in states)
             for session in idle:

@@ -40,14 +40,18 @@ def test_on_cpu_only_the_host_budget_is_derived(monkeypatch: pytest.MonkeyPatch)
     assert derived.device is None and derived.host == 5 * GIB
 
 
-def test_on_gpus_the_free_memory_of_every_card_counts(monkeypatch: pytest.MonkeyPatch) -> None:
-    free = {0: 8 * GIB, 1: 8 * GIB}
+def test_on_gpus_the_budget_holds_per_card_from_the_fullest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Not pooled: a session's cache lives on one card, so two cards' free memory together
+    is no room on either."""
+    free = {0: 8 * GIB, 1: 20 * GIB}
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (free[d.index], 24 * GIB))
     monkeypatch.setattr(budget, "available_host_bytes", lambda: None)
     gpus = [torch.device("cuda", 0), torch.device("cuda", 1)]
     derived = derive_budgets(gpus, None, None)
-    # 16 GiB free together: 1.6 GiB (10%) kept for activations, half the rest for sessions
-    assert derived.device == pytest.approx(7.2 * GIB, abs=1) and derived.host is None
+    # 8 GiB free on the fuller card: 1 GiB kept for activations, half the rest for sessions
+    assert derived.device == int(3.5 * GIB) and derived.host is None
 
 
 def test_configured_budgets_are_kept(monkeypatch: pytest.MonkeyPatch) -> None:

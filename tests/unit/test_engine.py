@@ -209,6 +209,36 @@ def test_two_replicas_pin_sessions_to_the_least_loaded_and_batch_per_replica(
     assert two.open_session(images[0]).replica is replicas[0]  # the least loaded again
 
 
+def test_the_device_budget_holds_on_each_card_not_pooled(tiny_checkpoint, engine, reference):
+    """Two replicas, a budget of one and a half caches per card: each card's older session
+    moves to host memory, though the two cards together would hold three. Pooled, the second
+    card kept two caches over its budget."""
+    from transformers import AutoModelForImageTextToText
+
+    from llava.engine.state.session import Replica
+
+    replicas = [
+        Replica(AutoModelForImageTextToText.from_pretrained(tiny_checkpoint).eval(), r.device)
+        for r in engine.runner.replicas * 2
+    ]
+    two = LlavaEngine(engine.runner.processor, replicas, ServerConfig(device="cpu"))
+    probe = two.open_session(make_image(6))
+    kv = probe.cache_bytes
+    two.release(probe)
+    store = tiered_store(two, int(kv * 1.5), None)
+    images = [make_image(50 + i) for i in range(4)]
+    sessions = []
+    for image in images:
+        state = two.open_session(image)
+        sessions.append(store.add(store.reserve(), state, state.nbytes))
+    assert [two.card(s.state) for s in sessions] == [0, 1, 0, 1]
+    assert [s.state.tier for s in sessions] == [Tier.HOST, Tier.HOST, Tier.DEVICE, Tier.DEVICE]
+    for session, image in zip(sessions, images, strict=True):
+        with store.turn(session.id) as s:
+            turn = answer(two, s.state, PROMPTS[0])
+        assert turn.text == reference.answers(image, PROMPTS[:1], 10)[0]
+
+
 def test_bf16_session_is_the_bf16_pipeline_up_to_near_ties(tiny_checkpoint):
     """Each turn against `generate` on the same conversation (the kit's earlier answers as its
     history), token by token up to the first near-tie: bf16 rounds differently in a cached

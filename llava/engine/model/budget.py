@@ -1,7 +1,8 @@
 """Memory budgets derived at start from what the machine has left once the weights are loaded.
 
 `device_budget_mb: 0` and `host_budget_mb: 0` (the defaults) mean "derive": on a GPU the device
-budget is what `torch.cuda.mem_get_info` reports free after loading, less a reserve for
+budget (per card: a session's cache lives on one) is what `torch.cuda.mem_get_info` reports free
+after loading on the card with the least, less a reserve for
 activations (a prefill chunk, the vision tower, the allocator's slack), halved because a
 decoding session's cache is copied into the stacked decode batch while it decodes (the batch's
 buffers are the other half). The host budget is half the memory the kernel reports available.
@@ -76,7 +77,7 @@ def derive_budgets(
     """
     gpus = [d for d in devices if d.type == "cuda"]
     workspace = None
-    if gpus:
+    if gpus:  # every budget holds per card; the card with the least free memory sets them
         least = min(torch.cuda.mem_get_info(d)[0] for d in gpus)
         workspace = workspace_budget(least)
         log.info(
@@ -84,16 +85,16 @@ def derive_budgets(
             "the least free memory); prefill chunks are cut to fit",
             workspace / GIB,
         )
-    if device_bytes is None and gpus:
-        free = sum(torch.cuda.mem_get_info(d)[0] for d in gpus)
-        device_bytes = device_budget(free)
-        log.info(
-            "device budget derived: %.1f GiB free after loading the weights on %d GPU(s) -> "
-            "%.1f GiB for session caches (set device_budget_mb to override)",
-            free / GIB,
-            len(gpus),
-            device_bytes / GIB,
-        )
+        if device_bytes is None:
+            device_bytes = device_budget(least)
+            log.info(
+                "device budget derived: %.1f GiB free after loading the weights on the fullest of "
+                "%d GPU(s) -> %.1f GiB for session caches on each (set device_budget_mb to "
+                "override)",
+                least / GIB,
+                len(gpus),
+                device_bytes / GIB,
+            )
     if host_bytes is None:
         available = available_host_bytes()
         if available is not None:
