@@ -293,3 +293,52 @@ def test_a_session_flow_through_torchserve(gpu: Setting, checkpoints, tmp_path: 
         ts.stop()
     reference = Reference(checkpoint, dtype=gpu.torch_dtype, device=gpu.device)
     assert_conversation(reference, image(1), PROMPTS, texts, TOKENS, where="through TorchServe")
+
+
+LOAD_AND_WATCH = """
+import sys, threading, time
+from pathlib import Path
+import torch
+from llava.core.config import ServerConfig
+from llava.engine.model.loading import load_model
+
+def anonymous() -> int:  # what the process holds of its own, not the checkpoint's mapped pages
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no RssAnon")
+
+torch.zeros(1, device="cuda")  # the CUDA context first: it is not the weights
+before, peak, done = anonymous(), [0], threading.Event()
+
+def watch() -> None:
+    while not done.is_set():
+        peak[0] = max(peak[0], anonymous())
+        time.sleep(0.01)
+
+threading.Thread(target=watch, daemon=True).start()
+load_model(Path(sys.argv[1]), torch.device("cuda"), ServerConfig(device="cuda", dtype="bfloat16"))
+done.set()
+print(max(peak[0], anonymous()) - before)
+"""
+
+
+def test_weights_stream_to_the_card_not_through_host_memory(gpu: Setting, checkpoints) -> None:
+    """A 7B model's 14 GB in bf16 must not pass whole through host memory (an ml.g5.xlarge has
+    16 GB): loading one replica grows the process's own (anonymous) memory by well under the
+    weights' size."""
+    if gpu.device != "cuda":
+        pytest.skip("on the CPU the weights are in host memory by definition")
+    import subprocess
+    import sys
+
+    checkpoint = checkpoints[gpu.profiles[0]]
+    weights = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
+    out = subprocess.run(
+        [sys.executable, "-c", LOAD_AND_WATCH, str(checkpoint)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    grown = int(out.stdout.split()[-1])
+    assert grown < weights / 4, f"host memory grew {grown >> 20} MiB for {weights >> 20} MiB"
