@@ -31,6 +31,7 @@ from llava.api.headers import SESSION_HEADER
 from llava.core.config import ServerConfig
 from llava.core.params import GenerationParams
 from llava.engine import LlavaEngine, Tier
+from llava.engine.model.cache import OFFLOADING
 from llava.fronts.torchserve.launcher import TorchServe
 from llava.server.service import SessionService
 from llava.sessions.memory import TieredMemory
@@ -151,6 +152,9 @@ def test_tiers_device_to_pinned_host_to_features_and_back(family, gpu: Setting) 
     turns = [engine.run_to_end(engine.start_turn(state, PROMPTS[0], GREEDY))]
     engine.offload(state)
     assert state.tier is Tier.HOST and state.device_bytes == 0
+    # On a GPU the copy runs on a side stream, the step not waiting; whatever reads the cache
+    # next waits for it (settle).
+    assert (getattr(state.cache, OFFLOADING, None) is not None) == (gpu.device == "cuda")
     keys = state.cache.layers[0].keys
     assert keys.device.type == "cpu"
     assert keys.is_pinned() == (gpu.device == "cuda")  # pinned: the copy back is asynchronous

@@ -14,7 +14,11 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from llava.engine.model.loading import HOST
+
 CHUNK = 64  # tokens of spare room added when a cache runs out
+OFFLOADING = "llava_offloading"  # a cache's attribute: the event its copy to host memory records
+_COPY_STREAMS: dict[torch.device, Any] = {}  # per card: the stream offloads copy on
 
 
 class PreallocatedLayer(DynamicLayer):
@@ -88,16 +92,8 @@ class PreallocatedLayer(DynamicLayer):
         self._length = length
         self._expose()
 
-    def copied_to(self, device: torch.device, *, pin: bool = False) -> dict[str, torch.Tensor]:
-        """Copy the buffers (with their spare room) to `device`; nothing changes yet."""
-        return {
-            n: _copy(t, device, pin)
-            for n, t in (("_keys", self._keys), ("_values", self._values))
-            if t is not None
-        }
-
     def adopt(self, tensors: dict[str, torch.Tensor], device: torch.device) -> None:
-        """Switch to buffers `copied_to` made (cannot fail)."""
+        """Switch to copies of the buffers (with their spare room) on `device` (cannot fail)."""
         for name, tensor in tensors.items():
             setattr(self, name, tensor)
         self.device = device
@@ -146,23 +142,77 @@ def crop_to(cache: DynamicCache, length: int) -> None:
 def move_cache(cache: DynamicCache, device: torch.device, *, pin: bool = False) -> None:
     """Move every layer of a cache to `device` (pinned host memory when `pin`), all or nothing:
     every layer is copied before any is switched, so a copy that fails (out of memory) leaves
-    the whole cache where it was, never split across devices."""
-    copies: list[tuple[Any, dict[str, torch.Tensor]]] = []
+    the whole cache where it was, never split across devices. From a GPU to pinned host memory
+    the copy runs on a side stream (`_offload`): the step goes on while it finishes."""
+    settle(cache)
+    source = _device_of(cache)
+    if pin and device.type == "cpu" and source is not None and source.type == "cuda":
+        _offload(cache, source)
+        return
+    copies = [
+        {name: _copy(t, device, pin) for name, t in _held(layer).items()} for layer in cache.layers
+    ]
+    for layer, moved in zip(cache.layers, copies, strict=True):
+        _adopt(layer, moved, device)
+
+
+def settle(cache: DynamicCache | None) -> None:
+    """Wait for a copy to host memory still running for this cache, before its host buffers are
+    read or moved (`_offload` leaves the event on the cache)."""
+    copied = getattr(cache, OFFLOADING, None)
+    if copied is not None:
+        copied.synchronize()
+        setattr(cache, OFFLOADING, None)
+
+
+def _offload(cache: DynamicCache, source: torch.device) -> None:
+    """Copy a cache from a GPU to pinned host memory on the card's copy stream, without waiting.
+
+    Every host buffer is allocated first (a host out of memory leaves the cache on the card).
+    The copies wait for the work already queued on the card, and each card buffer is recorded
+    on the copy stream, so the allocator reuses its memory only once its copy is done; the
+    cache's readers wait for the copy (`settle`)."""
+    held = [_held(layer) for layer in cache.layers]
+    hosts = [
+        {name: torch.empty_like(t, device="cpu", pin_memory=True) for name, t in tensors.items()}
+        for tensors in held
+    ]
+    stream = _COPY_STREAMS.setdefault(source, torch.cuda.Stream(source))
+    stream.wait_stream(torch.cuda.current_stream(source))
+    with torch.cuda.stream(stream):
+        for tensors, host in zip(held, hosts, strict=True):
+            for name, tensor in tensors.items():
+                host[name].copy_(tensor, non_blocking=True)
+                tensor.record_stream(stream)
+    copied = torch.cuda.Event()
+    copied.record(stream)
+    for layer, host in zip(cache.layers, hosts, strict=True):
+        _adopt(layer, host, HOST)
+    setattr(cache, OFFLOADING, copied)
+
+
+def _held(layer: Any) -> dict[str, torch.Tensor]:
+    """The tensors a layer holds, by the attribute they live in."""
+    names = ("_keys", "_values") if isinstance(layer, PreallocatedLayer) else ("keys", "values")
+    return {n: t for n in names if (t := getattr(layer, n, None)) is not None}
+
+
+def _adopt(layer: Any, tensors: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Switch a layer to tensors copied to `device` (cannot fail)."""
+    if isinstance(layer, PreallocatedLayer):
+        layer.adopt(tensors, device)
+        return
+    for name, tensor in tensors.items():
+        setattr(layer, name, tensor)
+    layer.device = device
+
+
+def _device_of(cache: DynamicCache) -> torch.device | None:
+    """The device a cache's tensors are on (None: it holds none yet)."""
     for layer in cache.layers:
-        if isinstance(layer, PreallocatedLayer):
-            copies.append((layer, layer.copied_to(device, pin=pin)))
-        else:
-            held = {n: getattr(layer, n, None) for n in ("keys", "values")}
-            copies.append(
-                (layer, {n: _copy(t, device, pin) for n, t in held.items() if t is not None})
-            )
-    for layer, moved in copies:
-        if isinstance(layer, PreallocatedLayer):
-            layer.adopt(moved, device)
-            continue
-        for name, tensor in moved.items():
-            setattr(layer, name, tensor)
-        layer.device = device
+        for tensor in _held(layer).values():
+            return tensor.device
+    return None
 
 
 def _copy(tensor: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:

@@ -12,7 +12,7 @@ from transformers import DynamicCache
 
 from llava.core.errors import InvalidRequest
 from llava.core.tiers import Tier
-from llava.engine.model.cache import assign, crop_to, move_cache, new_cache
+from llava.engine.model.cache import assign, crop_to, move_cache, new_cache, settle
 from llava.engine.model.loading import HOST
 from llava.engine.state.chat import ChatFormatter, common_prefix
 from llava.engine.state.session import SessionState
@@ -20,7 +20,8 @@ from llava.engine.state.session import SessionState
 
 @torch.inference_mode()  # the caches are inference tensors: edit them in this mode
 def offload(state: SessionState) -> int:
-    """Move a session's cache to host memory (pinned under CUDA); return the device bytes freed."""
+    """Move a session's cache to host memory (pinned under CUDA, copied on a side stream while
+    the step goes on); return the device bytes freed."""
     if state.tier is not Tier.DEVICE or state.cache is None:
         return 0
     freed = state.device_bytes
@@ -68,6 +69,7 @@ def for_turn(
 def prefix_copy(cache: DynamicCache | None, length: int, num_layers: int) -> DynamicCache:
     """Return a new cache holding the first `length` positions of `cache` (shares nothing)."""
     branch = new_cache(num_layers)
+    settle(cache)  # a cache still being copied to host memory is read once the copy is done
     if cache is not None and length and cache.get_seq_length() >= length:
         for own, layer in zip(branch.layers, cache.layers, strict=True):
             assign(own, layer.keys[..., :length, :], layer.values[..., :length, :])
