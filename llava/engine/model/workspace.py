@@ -46,8 +46,9 @@ class Workspace:
     vocab: int
     layers: int
     element: int  # bytes per activation (the model's dtype)
-    # SDPA's fused kernels (a GPU in half precision) never hold the attention scores; its math
-    # kernel (the CPU's, with a mask) holds them and their softmax, in float32.
+    # SDPA's fused kernels and flash attention (a GPU in half precision) never hold the
+    # attention scores; SDPA's math kernel (the CPU's, with a mask) and eager attention hold
+    # them and their softmax, counted in float32.
     fused: bool = False
 
     @classmethod
@@ -65,7 +66,9 @@ class Workspace:
             vocab=text.vocab_size,
             layers=text.num_hidden_layers,
             element=weight.element_size(),
-            fused=weight.device.type == "cuda" and weight.element_size() == 2,
+            fused=weight.device.type == "cuda"
+            and weight.element_size() == 2
+            and text._attn_implementation != "eager",  # eager attention holds its scores
         )
 
     def per_token(self) -> int:
