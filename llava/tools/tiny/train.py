@@ -17,7 +17,6 @@ import random
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -142,17 +141,17 @@ def train(out: str | Path = SHIPPED, recipe: Recipe = Recipe(), *, overwrite: bo
     scenes = [draw_scene(rng) for _ in tqdm(range(recipe.scenes), desc="drawing scenes")]
     pool = torch.stack([pixels(processor, scene, rng) for scene in tqdm(scenes, desc="processing")])
 
-    see = partial(
-        pretrain_tower,
+    pretrain_tower(
         model,
         pool,
         scenes,
         image_size=spec.image_size,
         patch=spec.patch_size,
+        steps=recipe.vision_steps,
         batch=64,
+        lr=recipe.lr,
         rng=rng,
     )
-    see(steps=recipe.vision_steps, lr=recipe.lr)
     tower = list(model.model.vision_tower.parameters())
     in_tower = {id(p) for p in tower}
     rest = [p for p in model.parameters() if id(p) not in in_tower]
@@ -212,7 +211,18 @@ def train(out: str | Path = SHIPPED, recipe: Recipe = Recipe(), *, overwrite: bo
         bar.set_postfix(loss=f"{loss:.4f}", right=f"{right:.3f}")
 
     # Stage 3: which shape is furthest to each side, seen by the tower, read by the words.
-    see(steps=0, lr=recipe.extreme_lr, extreme_steps=recipe.extreme_steps)
+    pretrain_tower(
+        model,
+        pool,
+        scenes,
+        image_size=spec.image_size,
+        patch=spec.patch_size,
+        steps=0,
+        batch=64,
+        lr=recipe.extreme_lr,
+        rng=rng,
+        extreme_steps=recipe.extreme_steps,
+    )
     for param in tower:
         param.requires_grad_(False)
     optimizer = torch.optim.AdamW(rest, lr=recipe.position_lr, weight_decay=recipe.weight_decay)
