@@ -225,8 +225,13 @@ def first_turn(scene: Scene, rng: random.Random) -> tuple[Turn, tuple[str, str] 
         return Turn(q, shape_answer(scene, colour), "shape"), ("colour", colour)
     if roll < 0.62:
         return Turn(rng.choice(COUNT), count_answer(scene), "count"), None
-    if roll < 0.84 and (turn := position_turn(scene, rng)) is not None:
-        return turn, None
+    if roll < 0.84:
+        side = rng.choice(("left", "right", "top", "bottom"))
+        shape = scene.extreme(side)
+        if shape is not None:
+            phrasings = SIDE if side in ("left", "right") else VERTICAL
+            q = rng.choice(phrasings).format(side=side)
+            return Turn(q, f"The {shape.kind} is on the {side}.", "position"), None
     if roll < 0.95:
         if rng.random() < 0.5:
             kind = rng.choice(SHAPES)
@@ -238,16 +243,6 @@ def first_turn(scene: Scene, rng: random.Random) -> tuple[Turn, tuple[str, str] 
         answer = f"Yes, there is a {colour} shape." if has else f"No, there is no {colour} shape."
         return Turn(rng.choice(HAS_COLOUR).format(colour=colour), answer, "exists"), None
     return describe(scene, rng), None
-
-
-def position_turn(scene: Scene, rng: random.Random) -> Turn | None:
-    """Ask which shape is furthest to a side, if one clearly is."""
-    side = rng.choice(("left", "right", "top", "bottom"))
-    shape = scene.extreme(side)
-    if shape is None:
-        return None
-    q = rng.choice(SIDE if side in ("left", "right") else VERTICAL).format(side=side)
-    return Turn(q, f"The {shape.kind} is on the {side}.", "position")
 
 
 def describe(scene: Scene, rng: random.Random) -> Turn:

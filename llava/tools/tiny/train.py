@@ -23,7 +23,7 @@ from typing import Any
 from llava.core.paths import CHECKOUT
 from llava.tools.tiny.build import family_parts, model_config, write_staged
 from llava.tools.tiny.profiles import PROFILES
-from llava.tools.tiny.scenes import Scene, Turn, describe, dialogue, draw_scene, position_turn
+from llava.tools.tiny.scenes import Scene, Turn, describe, dialogue, draw_scene
 from llava.tools.tiny.tokenizers import CORPUS, train_llama_tokenizer
 from llava.tools.tiny.vision import pretrain_tower
 
@@ -46,15 +46,8 @@ class Recipe:
     # LLaVA its tower. Then LLaVA's two stages in small: mostly captions ("Describe the
     # picture.") to align the features with words, then questions and follow-ups.
     vision_steps: int = 8000
-    # After the main stage, stage 3: the tower learns which shape is furthest to each side (a
-    # relation between patches no per-patch label holds), then the language model learns to
-    # read it with the tower frozen, at a lower rate, on a share of position questions. Asked
-    # alongside everything else from the start, positions stayed near chance.
-    extreme_steps: int = 1500
-    extreme_lr: float = 3e-4
-    position_steps: int = 5000
-    position_share: float = 0.6
-    position_lr: float = 3e-4
+    # Stage 0b's steps: the tower also learns which shape is furthest to each side (0: none).
+    extreme_steps: int = 0
     align_steps: int = 300
     batch: int = 32
     scenes: int = 6000
@@ -151,6 +144,7 @@ def train(out: str | Path = SHIPPED, recipe: Recipe = Recipe(), *, overwrite: bo
         batch=64,
         lr=recipe.lr,
         rng=rng,
+        extreme_steps=recipe.extreme_steps,
     )
     tower = list(model.model.vision_tower.parameters())
     in_tower = {id(p) for p in tower}
@@ -169,27 +163,20 @@ def train(out: str | Path = SHIPPED, recipe: Recipe = Recipe(), *, overwrite: bo
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, rate)
     model.train()
     started = time.monotonic()
-
-    def conversations(step: int) -> tuple[list[int], list[list[Turn]]]:
+    bar = tqdm(range(recipe.steps), desc="training")
+    for step in bar:
         chosen = [rng.randrange(len(scenes)) for _ in range(recipe.batch)]
         aligning = step < recipe.align_steps
-        return chosen, [
-            [describe(scenes[i], rng)]
-            if aligning and rng.random() < 0.6
-            else dialogue(scenes[i], rng, rng.randint(1, recipe.max_turns))
-            for i in chosen
-        ]
-
-    def learn(batch: tuple[list[int], list[list[Turn]]], optimizer: Any) -> tuple[float, float]:
-        chosen, chats = batch
         rows = [
             encode(
                 processor,
-                turns,
+                [describe(scenes[i], rng)]
+                if aligning and rng.random() < 0.6
+                else dialogue(scenes[i], rng, rng.randint(1, recipe.max_turns)),
                 rng.choice(SYSTEM_PROMPTS) if rng.random() < 0.15 else None,
                 spec.num_image_tokens,
             )
-            for turns in chats
+            for i in chosen
         ]
         ids, labels, mask = _pad(rows, tokenizer.pad_token_id)
         logits = model(input_ids=ids, attention_mask=mask, pixel_values=pool[chosen]).logits
@@ -200,52 +187,10 @@ def train(out: str | Path = SHIPPED, recipe: Recipe = Recipe(), *, overwrite: bo
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
+        schedule.step()
         targets = labels[:, 1:] != -100  # how many answer tokens the batch got right
         right = (logits[:, :-1].argmax(-1) == labels[:, 1:])[targets].float().mean()
-        return loss.item(), right.item()
-
-    bar = tqdm(range(recipe.steps), desc="training")
-    for step in bar:
-        loss, right = learn(conversations(step), optimizer)
-        schedule.step()
-        bar.set_postfix(loss=f"{loss:.4f}", right=f"{right:.3f}")
-
-    # Stage 3: which shape is furthest to each side, seen by the tower, read by the words.
-    pretrain_tower(
-        model,
-        pool,
-        scenes,
-        image_size=spec.image_size,
-        patch=spec.patch_size,
-        steps=0,
-        batch=64,
-        lr=recipe.extreme_lr,
-        rng=rng,
-        extreme_steps=recipe.extreme_steps,
-    )
-    for param in tower:
-        param.requires_grad_(False)
-    optimizer = torch.optim.AdamW(rest, lr=recipe.position_lr, weight_decay=recipe.weight_decay)
-    several = [i for i, scene in enumerate(scenes) if len(scene.shapes) > 1]
-    model.train()
-    bar = tqdm(range(recipe.position_steps), desc="stage 3: positions")
-    for step in bar:
-        chosen, chats = conversations(recipe.align_steps + step)
-        for row in range(len(chosen)):
-            if rng.random() >= recipe.position_share:
-                continue
-            turn = None
-            while turn is None:
-                i = rng.choice(several)
-                turn = position_turn(scenes[i], rng)
-            # asked after up to two other questions, as users ask it (first only, it was not
-            # learnt later in a conversation)
-            earlier = dialogue(scenes[i], rng, rng.randint(0, recipe.max_turns - 1))
-            chosen[row], chats[row] = i, [*earlier, turn]
-        loss, right = learn((chosen, chats), optimizer)
-        bar.set_postfix(loss=f"{loss:.4f}", right=f"{right:.3f}")
-    for param in tower:
-        param.requires_grad_(True)
+        bar.set_postfix(loss=f"{loss.item():.4f}", right=f"{right.item():.3f}")
     model.eval()
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
@@ -312,7 +257,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=Recipe.lr)
     parser.add_argument("--vision-lr", type=float, default=Recipe.vision_lr)
     parser.add_argument("--extreme-steps", type=int, default=Recipe.extreme_steps)
-    parser.add_argument("--position-steps", type=int, default=Recipe.position_steps)
     args = parser.parse_args(argv)
     recipe = Recipe(
         seed=args.seed,
@@ -320,7 +264,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         lr=args.lr,
         vision_lr=args.vision_lr,
         extreme_steps=args.extreme_steps,
-        position_steps=args.position_steps,
     )
     print(train(args.out, recipe))
     return 0
