@@ -312,11 +312,11 @@ def test_a_tier_move_that_fails_midway_leaves_the_whole_cache_where_it_was(
     fail_at = 1 if which == "first" else len(before)  # a key or value buffer of each layer
     real_copy, calls = cache_module._copy, []
 
-    def failing_copy(tensor: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:
+    def failing_copy(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
         calls.append(1)
         if len(calls) == fail_at:
             raise torch.OutOfMemoryError("injected: no room for this layer")
-        return real_copy(tensor, device, pin)
+        return real_copy(tensor, device)
 
     monkeypatch.setattr(cache_module, "_copy", failing_copy)
     with pytest.raises(torch.OutOfMemoryError):

@@ -139,18 +139,18 @@ def crop_to(cache: DynamicCache, length: int) -> None:
             layer.crop(length - current)
 
 
-def move_cache(cache: DynamicCache, device: torch.device, *, pin: bool = False) -> None:
-    """Move every layer of a cache to `device` (pinned host memory when `pin`), all or nothing:
-    every layer is copied before any is switched, so a copy that fails (out of memory) leaves
-    the whole cache where it was, never split across devices. From a GPU to pinned host memory
-    the copy runs on a side stream (`_offload`): the step goes on while it finishes."""
+def move_cache(cache: DynamicCache, device: torch.device) -> None:
+    """Move every layer of a cache to `device`, all or nothing: every layer is copied before
+    any is switched, so a copy that fails (out of memory) leaves the whole cache where it was,
+    never split across devices. From a GPU to host memory the copy goes to pinned memory on a
+    side stream (`_offload`): the step goes on while it finishes."""
     settle(cache)
     source = _device_of(cache)
-    if pin and device.type == "cpu" and source is not None and source.type == "cuda":
+    if device.type == "cpu" and source is not None and source.type == "cuda":
         _offload(cache, source)
         return
     copies = [
-        {name: _copy(t, device, pin) for name, t in _held(layer).items()} for layer in cache.layers
+        {name: _copy(t, device) for name, t in _held(layer).items()} for layer in cache.layers
     ]
     for layer, moved in zip(cache.layers, copies, strict=True):
         _adopt(layer, moved, device)
@@ -215,9 +215,8 @@ def _device_of(cache: DynamicCache) -> torch.device | None:
     return None
 
 
-def _copy(tensor: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:
-    moved = tensor.to(device)
-    return _pinned(moved) if pin else moved
+def _copy(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return tensor.to(device)
 
 
 def cache_tensors(cache: DynamicCache | None) -> list[torch.Tensor]:
@@ -247,7 +246,3 @@ def _widen(tensor: torch.Tensor, extra: int) -> torch.Tensor:
     shape = list(tensor.shape)
     shape[2] = extra
     return torch.cat([tensor, tensor.new_zeros(shape)], dim=2)
-
-
-def _pinned(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.pin_memory() if tensor.device.type == "cpu" else tensor

@@ -25,7 +25,7 @@ def offload(state: SessionState) -> int:
     if state.tier is not Tier.DEVICE or state.cache is None:
         return 0
     freed = state.device_bytes
-    move_cache(state.cache, HOST, pin=state.replica.device.type == "cuda")
+    move_cache(state.cache, HOST)
     state.tier = Tier.HOST
     return freed
 
