@@ -82,13 +82,13 @@ def test_room_is_the_largest_chunk_within_the_reserve() -> None:
 
 
 def test_the_worst_mix_stays_within_the_reserve_and_answers_as_the_pipeline(
-    tiny_checkpoint: Any,
+    either_checkpoint: Any,
 ) -> None:
     """A conversation already hundreds of tokens long asks a long follow-up while two others
     open and answer. Unbounded, its chunk's forward takes more than the reserve; bounded, every
     step's measured peak is within the reserve plus the decode batch's budget."""
-    reference = Reference(tiny_checkpoint)
-    engine = LlavaEngine.load(tiny_checkpoint, ServerConfig(device="cpu", step_token_budget=512))
+    reference = Reference(either_checkpoint)
+    engine = LlavaEngine.load(either_checkpoint, ServerConfig(device="cpu", step_token_budget=512))
     images = [make_image(300 + i) for i in range(3)]
     prompts = [[LONG, LONG, LONG], ["What is this?"], [LONG]]
 
