@@ -203,8 +203,8 @@ class LlavaEngine:
         messages = runner.chat.messages(
             state.system_prompt, past, prompt, added, state.opening_images
         )
-        text = runner.chat.render(messages)
-        ids = runner.chat.tokenize(text, images.tokens)
+        rendered = runner.chat.prompt(messages, images.tokens, state.rendered if history else None)
+        ids = rendered.ids
         room = turns.room_for_answer(runner, ids, "prompt")
         common = turns.reusable(runner, state, ids)
         if reencoded:  # the image tokens match but their features changed: recompute them
@@ -213,6 +213,7 @@ class LlavaEngine:
             self.runner, state, prompt, params, ids, past, images, common, added, history
         )
         turn.max_new_tokens = min(params.max_new_tokens, room)
+        turn.rendered = rendered
         return turn
 
     @torch.inference_mode()
@@ -237,7 +238,10 @@ class LlavaEngine:
                 f"the messages hold {wanted} image(s), the session {len(state.images.tokens)}",
                 field="messages",
             )
-        ids = runner.chat.chat_ids(state.system_prompt, chat, state.images.tokens)
+        rendered = runner.chat.chat_prompt(
+            state.system_prompt, chat, state.images.tokens, state.rendered
+        )
+        ids = rendered.ids
         room = turns.room_for_answer(runner, ids, "messages")
         common = turns.reusable(runner, state, ids)
         turn = turns.new_turn(
@@ -245,6 +249,7 @@ class LlavaEngine:
         )
         turn.records_exchange = False
         turn.max_new_tokens = min(params.max_new_tokens, room)
+        turn.rendered = rendered
         return turn
 
     def held_of_chat(self, state: SessionState, chat: Sequence[Message]) -> tuple[int, bool]:
@@ -255,7 +260,8 @@ class LlavaEngine:
         over the same start shares a prefix only, and is answered in a `fork`."""
         if self.runner.images.keep_pixels or len(state.images.tokens) != turns.images_in(chat):
             return 0, False
-        ids = self.runner.chat.chat_ids(state.system_prompt, chat, state.images.tokens)
+        chat_prompt = self.runner.chat.chat_prompt
+        ids = chat_prompt(state.system_prompt, chat, state.images.tokens, state.rendered).ids
         held = common_prefix(state.cache_ids, ids)
         return held, held >= state.prompt_len
 
@@ -265,6 +271,7 @@ class LlavaEngine:
         cache (a copy: `state` is left as it is, even mid-answer)."""
         copy = SessionState(state.replica, state.system_prompt, state.images, state.prefix_ids)
         copy.history = list(state.history)
+        copy.rendered = state.rendered
         length = min(length, len(state.cache_ids))
         if state.cache is not None and length:
             copy.cache = tiers.prefix_copy(state.cache, length, self.runner.num_layers)
@@ -292,6 +299,7 @@ class LlavaEngine:
             state.cache_ids = turn.fed
         state.images = turn.images
         state.prompt_len = len(turn.ids)
+        state.rendered = turn.rendered
         if not turn.opening and turn.records_exchange:  # an open or a client's chat adds none
             state.history = [*turn.past, Exchange(turn.prompt, turn.text, turn.added_images)]
 

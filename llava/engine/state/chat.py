@@ -4,8 +4,9 @@ transformers' pipeline renders the whole conversation with the processor's chat 
 replaces each image placeholder with as many image tokens as that image takes, and tokenizes the
 result in one call. Tokenizing a turn's text on its own gives different ids with SentencePiece
 (Metaspace) tokenizers (a word-start piece where the whole-text tokenization has none), so a
-session re-renders and re-tokenizes its whole conversation every turn and reuses its cache for
-the longest common prefix of the cached ids and the new ones (see `common_prefix`).
+turn's ids are those of its whole conversation (rendered and tokenized from the last turn's where
+that provably gives the same ids: `incremental.py`), and the session reuses its cache for the
+longest common prefix of the cached ids and the new ones (see `common_prefix`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-Message = dict[str, Any]
+from llava.engine.state.incremental import Message, Rendered, carried_on, splice_ids, tail_text
 
 
 @dataclass(frozen=True)
@@ -40,8 +41,12 @@ class ChatFormatter:
         self._tokenizer = processor.tokenizer
         self.image_token: str = processor.image_token
         self._mark = "MARK" + secrets.token_hex(8)  # random, so user text cannot collide
-        self._last: tuple[Any, Sequence[Message], list[int]] | None = None
+        self._last: tuple[Any, Sequence[Message], Rendered] | None = None
         self.prefix_text(None)  # fail at load time, not on the first request
+        self._cue = self._answer_cue()
+        # The shortcut needs the cue, offsets (a fast tokenizer) and a template that passes.
+        self.incremental = self._cue is not None and bool(getattr(self._tokenizer, "is_fast", 0))
+        self.incremental = self.incremental and self._renders_messages_alone()
 
     def messages(
         self,
@@ -75,23 +80,46 @@ class ChatFormatter:
         """Prepend the system prompt to a client's messages (already in the template's format)."""
         return [_message("system", system_prompt), *chat] if system_prompt else list(chat)
 
-    def chat_ids(
-        self, system_prompt: str | None, chat: Sequence[Message], image_tokens: Sequence[int]
-    ) -> list[int]:
-        """Render and tokenize a client's chat; the same chat object asked again (checked
-        against held conversations, then answered) is rendered once."""
+    def chat_prompt(
+        self,
+        system_prompt: str | None,
+        chat: Sequence[Message],
+        image_tokens: Sequence[int],
+        held: Rendered | None = None,
+    ) -> Rendered:
+        """Render and tokenize a client's chat (from `held` where it carries that on); the same
+        chat object asked again (checked against held conversations, then answered) is rendered
+        once: its ids do not depend on which held prompt they were spliced from."""
         key = (id(chat), system_prompt, tuple(image_tokens))
         if self._last is not None and self._last[0] == key and self._last[1] is chat:
             return self._last[2]
-        ids = self.tokenize(self.render(self.chat_messages(system_prompt, chat)), image_tokens)
-        self._last = (key, chat, ids)  # holds the chat, so its id cannot be reused meanwhile
-        return ids
+        rendered = self.prompt(self.chat_messages(system_prompt, chat), image_tokens, held)
+        self._last = (key, chat, rendered)  # holds the chat, so its id cannot be reused meanwhile
+        return rendered
+
+    def prompt(
+        self, messages: list[Message], image_tokens: Sequence[int], held: Rendered | None = None
+    ) -> Rendered:
+        """Render and tokenize messages up to the answer cue: only what they add to `held`
+        where they carry it on, else whole. Either way the ids are the whole text's."""
+        count = carried_on(held, messages, image_tokens) if self.incremental else 0
+        if held is not None and count and self._cue is not None:
+            tail = tail_text(self._render, held, messages[count:])
+            parts = None if tail is None else tail.split(self.image_token)
+            had = len(held.image_tokens)
+            if parts is not None and had + len(parts) - 1 == len(image_tokens):
+                base = held.text[: len(held.text) - len(self._cue)]
+                text = base + self._expand(parts, image_tokens[had:])
+                spliced = splice_ids(self._encode, held, text, len(base))
+                ids, ends = spliced or self._encode(text, whole=True)
+                return Rendered(tuple(messages), text, ids, ends, tuple(image_tokens))
+        text = self._expand(self.render(messages).split(self.image_token), image_tokens)
+        ids, ends = self._encode(text, whole=True)
+        return Rendered(tuple(messages), text, ids, ends, tuple(image_tokens))
 
     def render(self, messages: list[Message]) -> str:
         """Render messages as the model sees them, ending with the assistant's cue."""
-        return self._processor.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
-        )
+        return self._render(messages, True)
 
     def prefix_text(self, system_prompt: str | None, images: int = 1) -> str:
         """Return the text before the first question's words: system prompt and the images."""
@@ -103,7 +131,11 @@ class ChatFormatter:
 
     def tokenize(self, text: str, image_tokens: Sequence[int]) -> list[int]:
         """Tokenize rendered text as the processor does: each image placeholder expanded."""
-        parts = text.split(self.image_token)
+        text = self._expand(text.split(self.image_token), image_tokens)
+        return self._tokenizer(text)["input_ids"]
+
+    def _expand(self, parts: list[str], image_tokens: Sequence[int]) -> str:
+        """Join text split at its image placeholders, each expanded to its image's tokens."""
         if len(parts) - 1 != len(image_tokens):
             raise ValueError(
                 f"the text has {len(parts) - 1} image placeholders for {len(image_tokens)} images"
@@ -111,7 +143,50 @@ class ChatFormatter:
         expanded = parts[0]
         for count, part in zip(image_tokens, parts[1:], strict=True):
             expanded += self.image_token * count + part
-        return self._tokenizer(expanded)["input_ids"]
+        return expanded
+
+    def _encode(self, text: str, whole: bool = False) -> tuple[list[int], list[int]]:
+        """Return text's ids and where each one's text ends (a whole text gets BOS)."""
+        if not self.incremental:  # nothing is spliced: no offsets (a slow tokenizer has none)
+            return self._tokenizer(text, add_special_tokens=whole)["input_ids"], []
+        out = self._tokenizer(text, add_special_tokens=whole, return_offsets_mapping=True)
+        return out["input_ids"], [end for _, end in out["offset_mapping"]]
+
+    def _render(self, messages: list[Message], cue: bool) -> str:
+        return self._processor.apply_chat_template(
+            messages, add_generation_prompt=cue, tokenize=False
+        )
+
+    def _answer_cue(self) -> str | None:
+        """Return what the template appends for the answer ("" for one whose user message ends
+        with it, as Mistral's [/INST]; None if the cued text does not extend the bare one)."""
+        probe = self.messages(None, [Exchange("Hi", "Hello")], "Why?")
+        bare, cued = self._render(probe, False), self._render(probe, True)
+        return cued[len(bare) :] if cued.startswith(bare) else None
+
+    def _renders_messages_alone(self) -> bool:
+        """Check on probe conversations that rendering and tokenizing from the last turn's
+        prompt gives the whole conversation's text and ids (the template renders each message
+        on its own: no system prompt moved to the last message, no images numbered across)."""
+        words = ["What is this?", "Ünïcode ✓ and 😀", "two  spaces ", "a\nnew line", "Yes."]
+        for system in (None, "Be brief."):
+            for opening, added_at in ((1, None), (0, None), (1, 2)):
+                held: Rendered | None = None
+                history: list[Exchange] = []
+                for turn, prompt in enumerate(words):
+                    added = int(turn == added_at)
+                    tokens = [3] * (opening + sum(e.added_images for e in history) + added)
+                    messages = self.messages(system, history, prompt, added, opening)
+                    try:
+                        got = self.prompt(messages, tokens, held)
+                        want = self.tokenize(self.render(messages), tokens)
+                    except Exception:  # a template that refuses a probe: no shortcut
+                        return False
+                    if got.ids != want:
+                        return False
+                    held = got
+                    history.append(Exchange(prompt, words[-1 - turn], added))
+        return True
 
     def count_tokens(self, text: str) -> int:
         """Count the tokens of a piece of user text on its own (for the prompt limit)."""
@@ -121,6 +196,8 @@ class ChatFormatter:
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """Return the length of the longest common prefix of two id sequences."""
     n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the usual case, compared at C speed
+        return n
     for i in range(n):
         if a[i] != b[i]:
             return i

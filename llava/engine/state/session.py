@@ -15,6 +15,7 @@ from llava.engine.decoding.sampling import Detokenizer
 from llava.engine.model.cache import cache_tensors
 from llava.engine.state.chat import Exchange
 from llava.engine.state.imageset import ImageSet
+from llava.engine.state.incremental import Rendered
 
 
 @dataclass(eq=False)
@@ -50,6 +51,7 @@ class SessionState:
     tier: Tier = Tier.DEVICE
     history: list[Exchange] = field(default_factory=list)
     prompt_len: int = 0  # ids up to the last committed turn's answer cue: its conversation
+    rendered: Rendered | None = None  # that prompt, for the next turn to extend
 
     @property
     def opening_images(self) -> int:
@@ -113,6 +115,7 @@ class Turn:
     tower_tokens: int = 0  # image tokens the vision tower must produce before the prefill
     features: torch.Tensor | None = None  # the conversation's image features, once encoded
     opening: bool = False  # a new session's prefix: prefilled, nothing generated
+    rendered: Rendered | None = None  # the prompt `ids` came from, kept for the next turn
     records_exchange: bool = True  # False for a client's chat: the client keeps the history
     generated: list[int] = field(default_factory=list)
     text: str = ""
