@@ -196,13 +196,6 @@ def shape_answer(scene: Scene, colour: str) -> str:
     return f"The {colour} shape is a {shape.kind}." if shape else f"There is no {colour} shape."
 
 
-def position_answer(side: str, kind: str) -> str:
-    """Answer which shape is furthest to ``side``: the side comes first, as the colour and shape
-    answers restate their subject, so the word that picks the shape is right before it."""
-    where = "on the" if side in ("left", "right") else "at the"
-    return f"The shape {where} {side} is a {kind}."
-
-
 def count_answer(scene: Scene) -> str:
     """Answer how many shapes there are."""
     n = len(scene.shapes)
@@ -238,7 +231,7 @@ def first_turn(scene: Scene, rng: random.Random) -> tuple[Turn, tuple[str, str] 
         if shape is not None:
             phrasings = SIDE if side in ("left", "right") else VERTICAL
             q = rng.choice(phrasings).format(side=side)
-            return Turn(q, position_answer(side, shape.kind), "position"), None
+            return Turn(q, f"The {shape.kind} is on the {side}.", "position"), None
     if roll < 0.95:
         if rng.random() < 0.5:
             kind = rng.choice(SHAPES)
