@@ -69,8 +69,11 @@ def pretrain_tower(
     extreme_steps: int = 0,
 ) -> None:
     """Train the model's vision tower on per-patch colours and kinds and the shape count; then,
-    for `extreme_steps` more (stage 0b), also on which shape is the scene's extreme to each side,
-    once colours and kinds are learnt (learnt from the start, it cost the colours)."""
+    for `extreme_steps` more (stage 0b), also on which patch holds the scene's extreme to each
+    side, once colours and kinds are learnt (learnt from the start, it cost the colours). That
+    is a choice among the patches (cross-entropy): learnt as a yes/no per patch (mostly no) by
+    a three-layer tower, a linear probe found the right patch 49-60% of the time; as a choice,
+    by a four-layer one, 86-92%."""
     import torch
     from tqdm import tqdm
 
@@ -91,7 +94,7 @@ def pretrain_tower(
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
     tower.train()
 
-    def train_step(extreme_of: Any = None) -> tuple[float, float]:
+    def train_step(extreme_of: Any = None) -> tuple[float, float, float]:
         chosen = torch.tensor([rng.randrange(len(scenes)) for _ in range(batch)])
         states = tower(pool[chosen], output_hidden_states=True).hidden_states[-2]
         patches = states[:, 1:]  # the features the projector reads: CLS dropped
@@ -102,21 +105,25 @@ def pretrain_tower(
             + torch.nn.functional.cross_entropy(kind.flatten(0, 1), kind_of[chosen].flatten())
             + torch.nn.functional.cross_entropy(heads["count"](patches.mean(1)), count_of[chosen])
         )
-        if extreme_of is not None:
-            loss = loss + torch.nn.functional.binary_cross_entropy_with_logits(
-                heads["extreme"](patches), extreme_of[chosen]
-            )
+        flags = None if extreme_of is None else extreme_of[chosen]
+        where = 0.0
+        if flags is not None and flags.any():  # per side: which patch holds the extreme
+            has = flags.sum(1) > 0  # (batch, side): the scene has a clear extreme there
+            logits = heads["extreme"](patches).transpose(1, 2)[has]  # (pairs, patches)
+            target = flags.transpose(1, 2)[has].argmax(-1)
+            loss = loss + torch.nn.functional.cross_entropy(logits, target)
+            where = (logits.argmax(-1) == target).float().mean().item()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(
             [p for g in optimizer.param_groups for p in g["params"]], 1.0
         )
         optimizer.step()
-        return loss.item(), (kind.argmax(-1) == kind_of[chosen]).float().mean().item()
+        return loss.item(), (kind.argmax(-1) == kind_of[chosen]).float().mean().item(), where
 
     bar = tqdm(range(steps), desc="stage 0: seeing")
     for _ in bar:
-        loss, right = train_step()
+        loss, right, _ = train_step()
         bar.set_postfix(loss=f"{loss:.3f}", kinds=f"{right:.3f}")
     if not extreme_steps:
         return
@@ -125,5 +132,5 @@ def pretrain_tower(
     extreme_of = torch.tensor([extreme_labels(s, image_size, patch) for s in scenes])
     bar = tqdm(range(extreme_steps), desc="stage 0b: where")
     for _ in bar:
-        loss, right = train_step(extreme_of)
-        bar.set_postfix(loss=f"{loss:.3f}", kinds=f"{right:.3f}")
+        loss, right, where = train_step(extreme_of)
+        bar.set_postfix(loss=f"{loss:.3f}", kinds=f"{right:.3f}", where=f"{where:.3f}")
