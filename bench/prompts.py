@@ -53,12 +53,14 @@ def one_chat(chat: Any, turns: int, rng: random.Random) -> dict[str, list[float]
 
 def main(argv: list[str] | None = None) -> None:
     """Run both ways on each model's template and write the figures."""
-    from llava.engine.state.chat import ChatFormatter
     from llava.engine.model.loading import load_processor
+    from llava.engine.state.chat import ChatFormatter
     from llava.tools.archive import resolve_model
 
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--models", nargs="+", default=["shapes", "llava15", "next", "interleave", "onevision"])
+    parser.add_argument(
+        "--models", nargs="+", default=["shapes", "llava15", "next", "interleave", "onevision"]
+    )
     parser.add_argument("--turns", type=int, default=100)
     parser.add_argument("--chats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=HERE / "results")
