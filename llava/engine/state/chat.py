@@ -131,8 +131,7 @@ class ChatFormatter:
 
     def tokenize(self, text: str, image_tokens: Sequence[int]) -> list[int]:
         """Tokenize rendered text as the processor does: each image placeholder expanded."""
-        text = self._expand(text.split(self.image_token), image_tokens)
-        return self._tokenizer(text)["input_ids"]
+        return self._encode(self._expand(text.split(self.image_token), image_tokens), True)[0]
 
     def _expand(self, parts: list[str], image_tokens: Sequence[int]) -> str:
         """Join text split at its image placeholders, each expanded to its image's tokens."""
