@@ -17,9 +17,9 @@ from llava.engine.state.session import SessionState, Turn
 
 def check_prompt_tokens(runner: ModelRunner, text: str, field: str) -> None:
     """Refuse a question over `max_prompt_tokens` (counted on its own)."""
-    tokens = runner.chat.count_tokens(text)
     limit = runner.config.max_prompt_tokens
-    if tokens > limit:
+    tokens = runner.chat.tokens_over(text, limit)
+    if tokens is not None:
         raise InvalidRequest(f"prompt is {tokens} tokens, the limit is {limit}", field=field)
 
 

@@ -126,8 +126,19 @@ NUMBERS_IMAGES = (
     "{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}"
 )
 
+LOOKS_BACK = (  # an answer after a question with a picture is introduced differently
+    "{% for m in messages %}{% if m['role'] == 'user' %}USER: "
+    "{% for c in m['content'] %}{% if c['type'] == 'image' %}<image>\n{% else %}"
+    "{{ c['text'] }} {% endif %}{% endfor %}{% else %}ASSISTANT: "
+    "{% if messages[loop.index0 - 1]['content'][0]['type'] == 'image' %}Seen: {% endif %}"
+    "{{ m['content'][0]['text'] }} {% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
 
-@pytest.mark.parametrize("template", [MOVES_SYSTEM, NUMBERS_IMAGES], ids=["moves", "numbers"])
+
+@pytest.mark.parametrize(
+    "template", [MOVES_SYSTEM, NUMBERS_IMAGES, LOOKS_BACK], ids=["moves", "numbers", "looks back"]
+)
 def test_a_template_that_renders_across_messages_is_rendered_whole(
     tiny_checkpoint: Path, template: str
 ) -> None:
@@ -170,3 +181,41 @@ def test_a_tail_is_spliced_only_where_it_tokenizes_as_the_whole_text() -> None:
     # No word boundary to cut at: no splice.
     solid = Rendered((), "abcdefgh", [1] * 8, list(range(1, 9)), ())
     assert splice_ids(word_pieces, solid, "abcdefghij", 8) is None
+
+
+TRICKY = ["", "x", "Hi there", " ", "😀" * 7, "ﷺ ﬁ ㍻ Ⅻ", "漢字" * 5, "a\tb\n c", "  two  ", "e\u0301" * 4]
+
+
+def test_a_questions_tokens_are_counted_exactly_where_they_could_be_over(
+    formatter: tuple[str, Any],
+) -> None:
+    """A question is refused by its own token count, as the tokenizer counts it, at any limit
+    (texts whose bytes prove them within it are not tokenized)."""
+    family, processor = formatter
+    chat = ChatFormatter(processor)
+    rng = random.Random(family)
+    texts = [*TRICKY, *("".join(rng.choices(TRICKY, k=4)) for _ in range(40))]
+    for text in texts:
+        count = len(processor.tokenizer(text, add_special_tokens=False)["input_ids"])
+        for limit in {0, max(0, count - 1), count, count + 1, len(text.encode()) + 1}:
+            want = count if count > limit else None
+            assert chat.tokens_over(text, limit) == want, (family, text, limit)
+
+
+def test_the_tokenizers_own_backend_is_used_only_where_it_tokenizes_alike(
+    tiny_checkpoint: Path,
+) -> None:
+    """The `tokenizers` object is called directly only if it gives the wrapper's ids."""
+    processor = _load_processor(tiny_checkpoint)
+    assert ChatFormatter(processor)._backend is processor.tokenizer.backend_tokenizer
+    wrapper = type(processor.tokenizer)
+
+    class Lowering(wrapper):  # type: ignore[misc, valid-type]
+        def __call__(self, text: str, **kwargs: Any) -> Any:
+            return super().__call__(text.lower(), **kwargs)
+
+    processor.tokenizer.__class__ = Lowering
+    chat = ChatFormatter(processor)
+    assert chat._backend is None
+    messages = chat.messages(None, [Exchange("Hi", "Yes.")], "What Colour?")
+    assert chat.prompt(messages, [3]).ids == pipeline_ids(processor, messages, [3])

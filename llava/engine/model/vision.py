@@ -177,13 +177,11 @@ def embed(
     device = model.get_input_embeddings().weight.device
     tensor = torch.tensor([ids], device=device)
     embeds = model.get_input_embeddings()(tensor)
-    if features is None:
+    count = ids.count(token_id)  # counted on the host: no device sync for a text-only chunk
+    if features is None or not count:
         return embeds
-    mask = tensor[0] == token_id
-    count = int(mask.sum())
-    if count:
-        if offset + count > features.shape[0]:
-            raise RuntimeError("the conversation has more image tokens than the session's images")
-        chunk = features[offset : offset + count].to(device, embeds.dtype)
-        embeds[0, mask] = chunk
+    if offset + count > features.shape[0]:
+        raise RuntimeError("the conversation has more image tokens than the session's images")
+    chunk = features[offset : offset + count].to(device, embeds.dtype)
+    embeds[0, tensor[0] == token_id] = chunk
     return embeds

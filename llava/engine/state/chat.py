@@ -16,7 +16,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from llava.engine.state.incremental import Message, Rendered, carried_on, splice_ids, tail_text
+from llava.engine.state.incremental import (
+    ANCHOR,
+    Message,
+    Rendered,
+    carried_on,
+    splice_ids,
+    tail_text,
+)
 
 
 @dataclass(frozen=True)
@@ -39,11 +46,13 @@ class ChatFormatter:
             )
         self._processor = processor
         self._tokenizer = processor.tokenizer
+        self._backend = self._same_backend()  # the fast tokenizer's own, without the wrapper
         self.image_token: str = processor.image_token
         self._mark = "MARK" + secrets.token_hex(8)  # random, so user text cannot collide
         self._last: tuple[Any, Sequence[Message], Rendered] | None = None
         self.prefix_text(None)  # fail at load time, not on the first request
         self._cue = self._answer_cue()
+        self._anchor = self._render([ANCHOR], False)  # what the new messages are rendered after
         # The shortcut needs the cue, offsets (a fast tokenizer) and a template that passes.
         self.incremental = self._cue is not None and bool(getattr(self._tokenizer, "is_fast", 0))
         self.incremental = self.incremental and self._renders_messages_alone()
@@ -104,7 +113,7 @@ class ChatFormatter:
         where they carry it on, else whole. Either way the ids are the whole text's."""
         count = carried_on(held, messages, image_tokens) if self.incremental else 0
         if held is not None and count and self._cue is not None:
-            tail = tail_text(self._render, held, messages[count:])
+            tail = tail_text(self._render, self._anchor, messages[count:])
             parts = None if tail is None else tail.split(self.image_token)
             had = len(held.image_tokens)
             if parts is not None and had + len(parts) - 1 == len(image_tokens):
@@ -146,10 +155,29 @@ class ChatFormatter:
 
     def _encode(self, text: str, whole: bool = False) -> tuple[list[int], list[int]]:
         """Return text's ids and where each one's text ends (a whole text gets BOS)."""
+        if self._backend is not None:
+            out = self._backend.encode(text, add_special_tokens=whole)
+            return out.ids, [end for _, end in out.offsets]
         if not self.incremental:  # nothing is spliced: no offsets (a slow tokenizer has none)
             return self._tokenizer(text, add_special_tokens=whole)["input_ids"], []
         out = self._tokenizer(text, add_special_tokens=whole, return_offsets_mapping=True)
         return out["input_ids"], [end for _, end in out["offset_mapping"]]
+
+    def _same_backend(self) -> Any:
+        """Return the fast tokenizer's `tokenizers` object where it gives the tokenizer's own ids
+        and offsets on probe texts (the wrapper adds only Python around it), else None."""
+        backend = getattr(self._tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            return None
+        for text in ("USER: <image>\nWhat is this? ASSISTANT: A cat.</s>", " Ünïcode ✓ 😀  a\nb "):
+            for whole in (True, False):
+                want = self._tokenizer(text, add_special_tokens=whole, return_offsets_mapping=True)
+                got = backend.encode(text, add_special_tokens=whole)
+                if got.ids != want["input_ids"] or got.offsets != list(
+                    map(tuple, want["offset_mapping"])
+                ):
+                    return None
+        return backend
 
     def _render(self, messages: list[Message], cue: bool) -> str:
         return self._processor.apply_chat_template(
@@ -187,9 +215,17 @@ class ChatFormatter:
                     history.append(Exchange(prompt, words[-1 - turn], added))
         return True
 
-    def count_tokens(self, text: str) -> int:
-        """Count the tokens of a piece of user text on its own (for the prompt limit)."""
-        return len(self._tokenizer(text, add_special_tokens=False)["input_ids"])
+    def tokens_over(self, text: str, limit: int) -> int | None:
+        """Return the token count of user text on its own if over `limit`, else None. A text
+        whose normalized UTF-8 bytes are within the limit is not tokenized: no token holds less
+        than a byte (plus one for a prefix space the tokenizer adds)."""
+        if self._backend is not None:
+            normalizer = self._backend.normalizer
+            normalized = text if normalizer is None else normalizer.normalize_str(text)
+            if len(normalized.encode()) + 1 <= limit:
+                return None
+        count = len(self._tokenizer(text, add_special_tokens=False)["input_ids"])
+        return count if count > limit else None
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

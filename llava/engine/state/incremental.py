@@ -4,7 +4,8 @@ Rendering a conversation with its chat template and tokenizing it whole grows wi
 conversation (200 messages: about 4 ms to render, 1.5 ms to tokenize), though a turn only adds
 an answer and a question to the prompt before it. Both shortcuts are checked, so the ids are
 always the ones the whole rendering and tokenization would give:
-- the template must render each message on its own: checked at load on probe conversations
+- the template must render each message on its own, so the new messages render the same after
+  a fixed user message as after the held one: checked at load on probe conversations
   (`ChatFormatter` turns the shortcut off for a template that fails, such as one that moves the
   system prompt to the last user message or numbers images across the conversation);
 - the tokenization is spliced a few words before the new text, and the tail's first tokens must
@@ -52,13 +53,16 @@ def carried_on(
     return count if tuple(image_tokens[: len(held.image_tokens)]) == held.image_tokens else 0
 
 
+ANCHOR: Message = {"role": "user", "content": [{"type": "text", "text": "Hi"}]}
+
+
 def tail_text(
-    render: Callable[[list[Message], bool], str], held: Rendered, new: Sequence[Message]
+    render: Callable[[list[Message], bool], str], before: str, new: Sequence[Message]
 ) -> str | None:
-    """Render the messages after the held ones, in the context of the held last message."""
-    anchor = [held.messages[-1]]
-    before = render(anchor, False)
-    window = render([*anchor, *new], True)
+    """Render the messages after a held user message, after the fixed `ANCHOR` user message
+    (`before` is its rendering alone, rendered once): a template that renders each message on
+    its own renders them the same after any user message."""
+    window = render([ANCHOR, *new], True)
     return window[len(before) :] if window.startswith(before) else None
 
 
