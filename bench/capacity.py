@@ -1,11 +1,13 @@
 """Steady-state capacity through TorchServe, against the machine's own bound.
 
-    python bench/capacity.py                       # llava15: session cache and pixel cache
+    python bench/capacity.py                       # shapes: session cache and pixel cache
+    python bench/capacity.py --model llava15       # LLaVA-1.5's shapes, 576 image tokens
     python bench/capacity.py --fractions 0.5 0.8 --duration-s 60 --strategies session
     python bench/capacity.py --torch-threads 0 2   # the default thread count and 2, side by side
 
 A user's traffic: conversations arrive at random (Poisson) for a fixed time per rate; each opens
-with a 640x400 JPEG sent inline, asks 4 questions with 0.3-0.7 s of think time between them
+with a JPEG sent inline (a drawn scene for the trained `shapes`, a 640x400 photo for a
+random-weight model), asks 4 questions with 0.3-0.7 s of think time between them
 (16-token streamed answers) and closes. Each rate runs `--duration-s` of arrivals (at least
 five conversation lifetimes), then drains: every conversation that arrived finishes.
 
@@ -43,7 +45,17 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from drivers import open_body, query_body  # noqa: E402
-from load import JSON, PROMPTS, Client, photo_uri, run_meta, start, write_results  # noqa: E402
+from load import (  # noqa: E402
+    JSON,
+    TRAINED,
+    Client,
+    Workload,
+    photo_uri,
+    run_meta,
+    start,
+    workload,
+    write_results,
+)
 
 from llava.api.headers import SESSION_HEADER  # noqa: E402
 
@@ -52,6 +64,14 @@ THINK_S = (0.3, 0.7)
 SIZE = (640, 400)
 MIN_ARRIVALS = 8
 STRATEGIES = {"session": "kv", "pixels": "pixels"}  # name -> the server's cache_mode
+
+
+def conversations(model: str) -> Workload:
+    """The trained model's scenes and questions; for a random-weight model, 640x400 photos."""
+    work = workload(model)
+    if model == TRAINED:
+        return work
+    return Workload(work.prompts, lambda seed: photo_uri(seed, SIZE))
 
 
 class ServerCPU:
@@ -99,14 +119,14 @@ class Caller(Client):
         outcome = Outcome()
         rng = random.Random(seed)
         began = time.perf_counter()
-        r = self.http.post(self.url, content=open_body(photo_uri(seed, SIZE)), headers=JSON)
+        r = self.http.post(self.url, content=open_body(self.work.picture(seed)), headers=JSON)
         if r.status_code != 200:
             outcome.errors.append(f"open {r.status_code} {_code(r.content)}")
             return outcome
         outcome.open_ms = (time.perf_counter() - began) * 1000
         sid = r.json()["session_id"]
         try:
-            for turn, prompt in enumerate(PROMPTS):
+            for turn, prompt in enumerate(self.work.prompts):
                 if turn and think:
                     time.sleep(rng.uniform(*THINK_S))
                 ttft, error = self._ask(sid, prompt)
@@ -309,7 +329,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", default="llava15")
+    parser.add_argument("--model", default=TRAINED)
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.6, 0.8, 0.9, 1.0, 1.2])
     parser.add_argument("--pixel-fractions", type=float, nargs="+", default=[0.1, 0.15, 0.2])
@@ -339,7 +359,9 @@ def main(argv: list[str] | None = None) -> None:
             args.model,
             slo_ms=args.slo_ms,
             open_slo_ms=args.open_slo_ms,
-            image=f"{SIZE[0]}x{SIZE[1]} JPEG inline",
+            image="a drawn scene, JPEG inline"
+            if args.model == TRAINED
+            else f"{SIZE[0]}x{SIZE[1]} JPEG inline",
             think_s=list(THINK_S),
             tokens=TOKENS,
         ),
@@ -353,7 +375,7 @@ def main(argv: list[str] | None = None) -> None:
                 env["LLAVA_TORCH_THREADS"] = str(threads)
             ts = start(work / "store", work / f"{strategy}-{threads}", **env)
             try:
-                caller = Caller(ts.url("/predictions/llava"))
+                caller = Caller(ts.url("/predictions/llava"), conversations(args.model))
                 fractions = args.fractions if strategy == "session" else args.pixel_fractions
                 print(f"{name}:", file=sys.stderr)
                 results["strategies"][name] = sweep(
