@@ -19,7 +19,7 @@ reported as a fraction of it (held also needs the opens to keep up: their p95 wi
 `--open-slo-ms`, else their queue grows for as long as the rate lasts). Per rate: p50/p95/p99
 follow-up TTFT, errors by code and stage, the server's CPU utilisation over the arrival window
 and the opens' share of it (opens that arrived x one open's CPU-seconds alone, over the CPU
-used). Results: bench/results/capacity.json
+used). Results: bench/results/capacity-<model>.json
 and the terminal (Markdown).
 """
 
@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None) -> None:
                 )
             finally:
                 ts.stop()
-    write_results(args.out / "capacity.json", results, table(results))
+    write_results(args.out / f"capacity-{args.model}.json", results, table(results))
 
 
 if __name__ == "__main__":

@@ -183,7 +183,18 @@ def test_a_tail_is_spliced_only_where_it_tokenizes_as_the_whole_text() -> None:
     assert splice_ids(word_pieces, solid, "abcdefghij", 8) is None
 
 
-TRICKY = ["", "x", "Hi there", " ", "😀" * 7, "ﷺ ﬁ ㍻ Ⅻ", "漢字" * 5, "a\tb\n c", "  two  ", "e\u0301" * 4]
+TRICKY = [
+    "",
+    "x",
+    "Hi there",
+    " ",
+    "😀" * 7,
+    "ﷺ ﬁ ㍻ Ⅻ",
+    "漢字" * 5,
+    "a\tb\n c",
+    "  two  ",
+    "e\u0301" * 4,
+]
 
 
 def test_a_questions_tokens_are_counted_exactly_where_they_could_be_over(
