@@ -135,9 +135,21 @@ LOOKS_BACK = (  # an answer after a question with a picture is introduced differ
     "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
 )
 
+NEEDS_IMAGE_FIRST = (  # refuses a conversation whose first question has no picture
+    "{% set users = messages | selectattr('role', 'equalto', 'user') | list %}"
+    "{% if users and users[0]['content'][0]['type'] != 'image' %}"
+    "{{ raise_exception('the first question needs an image') }}{% endif %}"
+    "{% for m in messages %}{{ m['role'].upper() }}: "
+    "{% for c in m['content'] %}{% if c['type'] == 'image' %}<image>\n{% else %}"
+    "{{ c['text'] }} {% endif %}{% endfor %}{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+
 
 @pytest.mark.parametrize(
-    "template", [MOVES_SYSTEM, NUMBERS_IMAGES, LOOKS_BACK], ids=["moves", "numbers", "looks back"]
+    "template",
+    [MOVES_SYSTEM, NUMBERS_IMAGES, LOOKS_BACK, NEEDS_IMAGE_FIRST],
+    ids=["moves", "numbers", "looks back", "needs an image first"],
 )
 def test_a_template_that_renders_across_messages_is_rendered_whole(
     tiny_checkpoint: Path, template: str

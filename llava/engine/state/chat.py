@@ -52,9 +52,10 @@ class ChatFormatter:
         self._last: tuple[Any, Sequence[Message], Rendered] | None = None
         self.prefix_text(None)  # fail at load time, not on the first request
         self._cue = self._answer_cue()
-        self._anchor = self._render([ANCHOR], False)  # what the new messages are rendered after
+        self._anchor = self._anchor_text()  # what the new messages are rendered after
         # The shortcut needs the cue, offsets (a fast tokenizer) and a template that passes.
-        self.incremental = self._cue is not None and bool(getattr(self._tokenizer, "is_fast", 0))
+        self.incremental = self._cue is not None and self._anchor is not None
+        self.incremental = self.incremental and bool(getattr(self._tokenizer, "is_fast", 0))
         self.incremental = self.incremental and self._renders_messages_alone()
 
     def messages(
@@ -190,6 +191,14 @@ class ChatFormatter:
         probe = self.messages(None, [Exchange("Hi", "Hello")], "Why?")
         bare, cued = self._render(probe, False), self._render(probe, True)
         return cued[len(bare) :] if cued.startswith(bare) else None
+
+    def _anchor_text(self) -> str | None:
+        """Render the fixed user message the new messages follow (None for a template that
+        refuses it, as one requiring an image in the first message: no shortcut)."""
+        try:
+            return self._render([ANCHOR], False)
+        except Exception:
+            return None
 
     def _renders_messages_alone(self) -> bool:
         """Check on probe conversations that rendering and tokenizing from the last turn's
