@@ -180,6 +180,9 @@ def test_chat_in_a_real_browser(page: Any, torchserve: TorchServe, tmp_path: Pat
         " && window.lengths.length > 3",
         timeout=30_000,
     )
+    # The question left the box as it was sent; what is typed while the answer streams stays.
+    assert page.input_value("#prompt textarea") == ""
+    page.fill("#prompt textarea", "a draft of the next question")
     with page.expect_response(lambda response: response.request.method == "POST"):
         page.click("#stop")  # answered once the page's server has taken the stop
     RecordingClient.hold_after = None
@@ -188,6 +191,7 @@ def test_chat_in_a_real_browser(page: Any, torchserve: TorchServe, tmp_path: Pat
         "document.querySelector('#notice').innerText.includes('Stopped')", timeout=30_000
     )
     assert len(bot_messages(page)) == 1
+    assert page.input_value("#prompt textarea") == "a draft of the next question"
 
     # Regenerate the first answer: the session rolled it back, so nothing is prefilled again.
     set_max_tokens(page, 48)

@@ -91,6 +91,9 @@ def build_app(make_client: Callable[[], SessionClient], endpoint: str) -> Any:
         note = "New conversation." if state.image else "Upload an image or paste its URL."
         return [], state, "", note
 
+    def take_question(text: str) -> tuple[str, str]:
+        return "", text
+
     def stop(state: Conversation | None) -> None:
         if state is not None:
             state.stopping = True
@@ -120,12 +123,13 @@ def build_app(make_client: Callable[[], SessionClient], endpoint: str) -> Any:
                     regen_btn = gr.Button("Regenerate", elem_id="regenerate")
                 usage = gr.Markdown(elem_id="usage")
                 notice = gr.Markdown(elem_id="notice")
-        ask_inputs = [state, chat, prompt, upload, url, system, temperature, top_p, tokens]
+        question = gr.State("")  # the question as sent: the box is emptied at once
+        ask_inputs = [state, chat, question, upload, url, system, temperature, top_p, tokens]
         outputs = [chat, state, usage, notice]
-        asked = ask_btn.click(send, ask_inputs, outputs)
-        submitted = prompt.submit(send, ask_inputs, outputs)
-        for event in (asked, submitted):
-            event.then(lambda: "", None, prompt)
+        for trigger in (ask_btn.click, prompt.submit):  # what is typed meanwhile is kept
+            trigger(take_question, prompt, [prompt, question], queue=False).then(
+                send, ask_inputs, outputs
+            )
         regen_btn.click(regenerate, [state, chat, system, temperature, top_p, tokens], outputs)
         stop_btn.click(stop, [state], None, queue=False)
         new.click(new_conversation, [state, upload, url, system], outputs)
