@@ -113,7 +113,7 @@ class ChatFormatter:
         """Render and tokenize messages up to the answer cue: only what they add to `held`
         where they carry it on, else whole. Either way the ids are the whole text's."""
         count = carried_on(held, messages, image_tokens) if self.incremental else 0
-        if held is not None and count and self._cue is not None:
+        if held is not None and count and self._cue is not None and self._anchor is not None:
             tail = tail_text(self._render, self._anchor, messages[count:])
             parts = None if tail is None else tail.split(self.image_token)
             had = len(held.image_tokens)
@@ -233,7 +233,7 @@ class ChatFormatter:
             normalized = text if normalizer is None else normalizer.normalize_str(text)
             if len(normalized.encode()) + 1 <= limit:
                 return None
-        count = len(self._tokenizer(text, add_special_tokens=False)["input_ids"])
+        count = len(self._encode(text)[0])
         return count if count > limit else None
 
 

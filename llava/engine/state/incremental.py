@@ -57,13 +57,11 @@ ANCHOR: Message = {"role": "user", "content": [{"type": "text", "text": "Hi"}]}
 
 
 def tail_text(
-    render: Callable[[list[Message], bool], str], before: str | None, new: Sequence[Message]
+    render: Callable[[list[Message], bool], str], before: str, new: Sequence[Message]
 ) -> str | None:
     """Render the messages after a held user message, after the fixed `ANCHOR` user message
     (`before` is its rendering alone, rendered once): a template that renders each message on
     its own renders them the same after any user message."""
-    if before is None:
-        return None
     try:
         window = render([ANCHOR, *new], True)
     except Exception:  # a template refusing this shape: rendering it whole reports its error
