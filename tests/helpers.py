@@ -9,6 +9,7 @@ import os
 import random
 import shutil
 import socket
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -369,18 +370,23 @@ def in_private_network() -> bool:
 
 
 def peak_bytes(run: Callable[[], object]) -> int:
-    """Return the most bytes `run` held at once beyond what was allocated before it."""
+    """Return the most bytes `run` held at once beyond what was allocated before it: the CPU
+    allocator's running total at each allocation and free, as the profiler's trace records it,
+    so a kernel's temporaries (allocated and freed inside one op) count too."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as recorded:
         run()
-    events = sorted(
-        (e.time_range.start, e.self_cpu_memory_usage)
-        for e in recorded.events()
-        if e.self_cpu_memory_usage
-    )
-    live = top = 0
-    for _, change in events:
-        live += change
-        top = max(top, live)
-    return top
+    with tempfile.TemporaryDirectory() as folder:
+        trace = Path(folder) / "trace.json"
+        recorded.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+    changes = [
+        event["args"]
+        for event in events
+        if event.get("name") == "[memory]" and event["args"].get("Device Type") == 0
+    ]
+    if not changes:
+        return 0
+    before = changes[0]["Total Allocated"] - changes[0]["Bytes"]
+    return max(0, max(c["Total Allocated"] for c in changes) - before)

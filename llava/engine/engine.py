@@ -329,7 +329,7 @@ class LlavaEngine:
     def limit_workspace(self, reserve: int | None) -> None:
         """Bound what a step's forward may allocate beyond the caches (the activation reserve
         the device budget leaves): prefill chunks are cut to fit (`workspace.py`)."""
-        self.runner.workspace_reserve = reserve
+        self.runner.decoder.workspace_reserve = reserve
 
     @staticmethod
     def out_of_memory(exc: BaseException) -> bool:

@@ -56,7 +56,8 @@ class ModelRunner:
         if eos is None:
             eos = self.tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
-        self.decoder = Decoder(replicas, self.forward, self.eos_ids)
+        self.workspace = Workspace.of(model)
+        self.decoder = Decoder(replicas, self.forward, self.eos_ids, self.workspace)
         # A step's chunks and decodes share one forward per replica where the model allows it.
         self.packs = all([enable_packing(r.model) for r in replicas])
         # A configured budget counts tokens only, the tower costed by parameter counts; `load`
@@ -64,8 +65,11 @@ class ModelRunner:
         budget = config.step_token_budget or DEFAULT_STEP_BUDGET
         self.fixed_costs = StepCosts(budget, tower_ratio(model), 0, 0)
         self.pacer: StepPacer | None = None
-        self.workspace = Workspace.of(model)
-        self.workspace_reserve: int | None = None  # bytes a step's forward may allocate
+
+    @property
+    def workspace_reserve(self) -> int | None:
+        """Bytes a step's forward may allocate beyond the caches (None: unbounded)."""
+        return self.decoder.workspace_reserve
 
     @staticmethod
     def _tower_in_preparer(config: ServerConfig, replicas: list[Replica]) -> bool:

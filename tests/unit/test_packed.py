@@ -194,6 +194,41 @@ def test_a_stacked_decode_batch_is_one_piece(engine) -> None:
             text.sliding_window = saved
 
 
+def test_a_stacked_decode_never_needs_the_math_kernel(engine, monkeypatch) -> None:
+    """A stacked decode's rows over grouped-query heads reach SDPA with their query heads
+    folded onto their key heads (no key repeated) and the padding mask, never with
+    `enable_gqa` beside a mask, which only SDPA's math kernel runs (repeating every key and
+    holding every score); the rows get what the batch's own forward gives them."""
+    from llava.engine.model import packed as packed_module
+
+    real, calls = torch.nn.functional.scaled_dot_product_attention, []
+
+    def recorded(q: Any, k: Any, v: Any, **kwargs: Any) -> Any:
+        calls.append((q.shape, k.shape, kwargs["attn_mask"], kwargs.get("enable_gqa", False)))
+        return real(q, k, v, **kwargs)
+
+    replica = engine.runner.replicas[0]
+    text = replica.model.config.get_text_config()
+    assert text.num_key_value_heads < text.num_attention_heads  # grouped-query
+    answers = [conversation(engine, 20 + i) for i in range(3)]
+
+    def batch() -> DecodeBatch:
+        shorter = [(ids[: len(ids) - 2 * i], f) for i, (ids, f) in enumerate(answers)]
+        return DecodeBatch([Row(c, [7 + i]) for i, c in enumerate(caches_after(engine, shorter))])
+
+    with torch.inference_mode():
+        expected = batch().forward(replica.model)
+        monkeypatch.setattr(
+            packed_module, "F", SimpleNamespace(scaled_dot_product_attention=recorded)
+        )
+        rows = packed_forward(replica.model, [batch().piece()], engine.runner.image_token_id)
+    assert len(calls) == text.num_hidden_layers
+    for q_shape, k_shape, mask, grouped in calls:
+        assert mask is not None and not grouped and q_shape[1] == k_shape[1]
+        assert q_shape[2] == text.num_attention_heads // text.num_key_value_heads
+    torch.testing.assert_close(rows, expected, rtol=1e-4, atol=1e-4)
+
+
 def test_the_start_up_check_stops_packing_where_the_attention_is_not_routed(
     tiny_checkpoint: Any, caplog: Any
 ) -> None:

@@ -16,9 +16,10 @@ from typing import Any
 
 import torch
 
-from llava.engine.decoding.batch import DecodeBatch, padded_room, position_bytes
+from llava.engine.decoding.batch import DecodeBatch, batch_bytes
 from llava.engine.decoding.sampling import next_token, visible_text
 from llava.engine.model.cache import crop_to
+from llava.engine.model.workspace import Workspace
 from llava.engine.state.session import Replica, Turn
 
 Forward = Callable[[Replica, Any, list[int], Any, int], torch.Tensor]
@@ -28,15 +29,21 @@ log = logging.getLogger(__name__)
 class Decoder:
     """Decode steps for every replica, and the bookkeeping of each sampled token."""
 
-    def __init__(self, replicas: list[Replica], forward: Forward, eos_ids: set[int]) -> None:
+    def __init__(
+        self, replicas: list[Replica], forward: Forward, eos_ids: set[int], workspace: Workspace
+    ) -> None:
         self.replicas = replicas
         self.forward = forward
         self.eos_ids = eos_ids
+        self.workspace = workspace
         self._batches: dict[int, DecodeBatch] = {}  # replica index -> stacked decode batch
         # What a stacked batch may allocate (its rows padded to the longest, with room for the
         # longest answer still to come): the device budget's half reserved for it (budget.py).
         # None: unbounded (a CPU, where sessions live in host memory).
         self.batch_budget: int | None = None
+        # What one forward may allocate beyond the caches (`workspace.py`); the stacked
+        # forward's rows, padded to the longest, stay within it too. None: unbounded.
+        self.workspace_reserve: int | None = None
         self.alone_for_room = 0  # answers' steps decoded alone: the batch had no room for them
         self.stack_failures = 0  # stacked forwards that failed, their answers then run alone
 
@@ -71,17 +78,16 @@ class Decoder:
     def stackable(
         self, group: list[tuple[int, Turn]]
     ) -> tuple[list[tuple[int, Turn]], list[tuple[int, Turn]]]:
-        """Split answers into those a stacked batch holds within `batch_budget` (the shortest
-        first) and those that decode alone: one long conversation among short ones would pad
-        every row to its length."""
-        if self.batch_budget is None or len(group) < 2:
+        """Split answers into those a stacked batch holds within `batch_budget` and its forward
+        within `workspace_reserve` (the shortest first), and those that decode alone: one long
+        conversation among short ones would pad every row to its length."""
+        if (self.batch_budget is None and self.workspace_reserve is None) or len(group) < 2:
             return group, []
         ordered = sorted(group, key=lambda item: item[1].cache.get_seq_length())
-        per_position = position_bytes(ordered[0][1])  # the same model's layers in every row
         stacked: list[tuple[int, Turn]] = []
         for item in ordered:
             rows = [*stacked, item]
-            if len(rows) * padded_room([t for _, t in rows])[1] * per_position > self.batch_budget:
+            if not self._fits([t for _, t in rows]):
                 break
             stacked = rows
         kept = {id(t) for _, t in stacked}
@@ -92,6 +98,16 @@ class Decoder:
                 "%d answer(s) decode alone: no room for them in the stacked batch", len(alone)
             )
         return [item for item in group if id(item[1]) in kept], alone
+
+    def _fits(self, turns: list[Turn]) -> bool:
+        """Tell whether a stacked batch of `turns` and its forward fit their budgets."""
+        if self.batch_budget is not None and batch_bytes(turns) > self.batch_budget:
+            return False
+        if self.workspace_reserve is not None:
+            widths = [t.cache.get_seq_length() for t in turns]
+            if self.workspace.stacked_bytes(widths) > self.workspace_reserve:
+                return False
+        return True
 
     def batch_for(self, replica_idx: int, turns: list[Turn]) -> DecodeBatch:
         """Return the replica's stacked batch of exactly `turns`, restacked if its members

@@ -105,22 +105,44 @@ def _attend(
             attn_mask = _within(mask, stacked, count, total, window, q.device)
         elif count > 1 and not stacked:  # a chunk: causal, aligned to the end of its cache
             attn_mask = causal_lower_right(count, total)  # no dense mask: the fused kernels run
-        if count > 1 and not stacked and keys.shape[1] != q.shape[1]:
-            # A chunk's mask with grouped-query heads runs only in SDPA's math kernel, which
-            # would materialise the whole [heads, chunk, cache] matrix: repeat the KV heads.
-            # (A decode's one query makes that matrix small: no copy for it.)
-            groups = q.shape[1] // keys.shape[1]
-            keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
-        out = F.scaled_dot_product_attention(
-            q,
-            keys,
-            values,
-            attn_mask=attn_mask,
-            scale=scaling,
-            enable_gqa=keys.shape[1] != q.shape[1],
-        )
-        outputs.append(out.transpose(0, 2) if stacked else out)
+        if stacked and keys.shape[1] != q.shape[1]:
+            out = _grouped_rows(q, keys, values, attn_mask, scaling).transpose(0, 2)
+        else:
+            if count > 1 and keys.shape[1] != q.shape[1]:
+                # A chunk's mask with grouped-query heads runs only in SDPA's math kernel, which
+                # would materialise the whole [heads, chunk, cache] matrix: repeat the KV heads.
+                groups = q.shape[1] // keys.shape[1]
+                keys = keys.repeat_interleave(groups, 1)
+                values = values.repeat_interleave(groups, 1)
+            out = F.scaled_dot_product_attention(
+                q,
+                keys,
+                values,
+                attn_mask=attn_mask,
+                scale=scaling,
+                enable_gqa=keys.shape[1] != q.shape[1],
+            )
+            out = out.transpose(0, 2) if stacked else out
+        outputs.append(out)
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def _grouped_rows(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float | None,
+) -> torch.Tensor:
+    """Attend a stacked decode's rows over grouped-query heads without repeating a key: each
+    row has one query per head, so the query heads sharing a key head are that head's queries
+    (no order among them). SDPA then needs no GQA support, and its fused kernels take the
+    padding mask (with `enable_gqa` and a mask only its math kernel runs, repeating every key).
+    """
+    rows, heads, _, dim = q.shape
+    grouped = q.reshape(rows, keys.shape[1], heads // keys.shape[1], dim)
+    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scaling)
+    return out.reshape(rows, heads, 1, dim)
 
 
 def _masks(pieces: list[Piece], device: torch.device) -> list[torch.Tensor | None]:

@@ -7,8 +7,9 @@ the piece whose attention is running its attention workspace: with grouped-query
 piece's keys and values repeated to every query head (so SDPA's fused kernels run, `packed.py`)
 and the causal mask a kernel without causal support builds. Its cache grows by the new
 positions, in chunks of `cache.CHUNK`, copying a layer's buffers when they run out. Layers run
-one after another and pieces attend one at a time, so a forward's peak is the activations plus
-the largest piece's attention, plus the growth. `Workspace.room` answers the scheduler: the most
+one after another and pieces attend one at a time (the answers decoding, stacked, are one
+piece: rows padded to the longest, `batch.py`), so a forward's peak is the activations plus the
+largest piece's attention, plus the growth. `Workspace.room` answers the scheduler: the most
 tokens a chunk may take beside what the step already holds, within the reserve the device
 budget leaves for activations (`budget.py`).
 
@@ -22,6 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from transformers.integrations import sdpa_attention
+
 from llava.engine.model.cache import CHUNK
 
 # Live tensors per token in the layer that runs, in units of the hidden size, the projections'
@@ -32,6 +35,10 @@ HIDDEN_COPIES = 6
 PROJECTION_COPIES = 3
 MLP_COPIES = 4
 LOGIT_BYTES = 4  # logits come out in float32 for sampling
+# What SDPA's math kernel holds at once beside the inputs, per query and key and head, in
+# float32: the scores, the mask made additive and added to them, and their softmax (measured
+# with the kernel forced: `tests/unit/test_workspace.py`).
+SCORE_COPIES = 3
 
 
 @dataclass(frozen=True)
@@ -47,9 +54,12 @@ class Workspace:
     layers: int
     element: int  # bytes per activation (the model's dtype)
     # SDPA's fused kernels and flash attention (a GPU in half precision) never hold the
-    # attention scores; SDPA's math kernel (the CPU's, with a mask) and eager attention hold
-    # them and their softmax, counted in float32.
+    # attention scores; SDPA's math kernel and eager attention hold them (`unfused`). The CPU
+    # is counted as unfused, the bound for whichever kernel SDPA picks there.
     fused: bool = False
+    # transformers before 5.22 repeats the key heads for a stacked decode's masked attention
+    # (`repeat_kv`); later ones fold the query heads instead (`pack_gqa`), as `packed.py` does.
+    decode_repeats_keys: bool = False
 
     @classmethod
     def of(cls, model: Any) -> Workspace:
@@ -69,6 +79,7 @@ class Workspace:
             fused=weight.device.type == "cuda"
             and weight.element_size() == 2
             and text._attn_implementation != "eager",  # eager attention holds its scores
+            decode_repeats_keys=not hasattr(sdpa_attention, "pack_gqa"),
         )
 
     def per_token(self) -> int:
@@ -82,17 +93,50 @@ class Workspace:
         return width * self.element
 
     def attention(self, context: int, tokens: int) -> int:
-        """Bytes one piece's attention adds while it runs: its repeated keys and values (a
-        chunk over grouped-query heads), its causal mask (one byte per query and key) and,
-        where no fused kernel runs, the scores."""
+        """Bytes a chunk's attention adds while it runs: its repeated keys and values (over
+        grouped-query heads), its causal mask (one byte per query and key) and, where no fused
+        kernel runs, what the math kernel holds."""
         keys = context + tokens
-        scores = 0 if self.fused else 2 * self.heads * tokens * keys * LOGIT_BYTES
-        if tokens <= 1:
-            return scores
         repeated = 0
         if self.kv_heads != self.heads:
             repeated = 2 * keys * self.heads * self.head_dim * self.element
-        return scores + repeated + tokens * keys
+        return self.unfused(tokens, keys, self.heads) + repeated + tokens * keys
+
+    def unfused(self, queries: int, keys: int, key_heads: int) -> int:
+        """Bytes SDPA's math kernel holds beside its inputs for `queries` of every head over
+        `keys` of `key_heads` (none where a fused kernel runs): the scores in float32
+        (`SCORE_COPIES`), the mask made additive, and the queries and keys scaled."""
+        if self.fused:
+            return 0
+        scores = (SCORE_COPIES * self.heads + 1) * queries * keys * LOGIT_BYTES
+        scaled = (queries * self.heads + keys * key_heads) * self.head_dim * self.element
+        return scores + scaled
+
+    def decodes(self, contexts: Sequence[int]) -> int:
+        """Bytes the attention of answers decoding together adds while it runs: one piece of
+        rows padded to the longest (`batch.py`), each row's scores and mask, and one layer's
+        keys and values repeated to every query head where something repeats them: an older
+        transformers' `repeat_kv`, or SDPA's math kernel for `enable_gqa`, which transformers
+        asks for when rows of one length need no padding mask (padded rows' query heads are
+        folded instead, by transformers' `pack_gqa` and by `packed.py`)."""
+        if not contexts:
+            return 0
+        rows, keys = len(contexts), max(contexts) + 1
+        key_heads = self.kv_heads
+        repeated = 0
+        unpadded = len(set(contexts)) == 1
+        if self.kv_heads != self.heads and (
+            self.decode_repeats_keys or (unpadded and not self.fused)
+        ):
+            key_heads = self.heads
+            repeated = 2 * keys * self.heads * self.head_dim * self.element
+        return rows * (self.unfused(1, keys, key_heads) + repeated + keys * LOGIT_BYTES)
+
+    def stacked_bytes(self, contexts: Sequence[int]) -> int:
+        """Bytes a stacked decode forward over rows at `contexts` may allocate beyond its
+        preallocated cache (`batch.py`): the rows' activations, logits and attention."""
+        rows = len(contexts)
+        return rows * (self.per_token() + self.vocab * LOGIT_BYTES) + self.decodes(contexts)
 
     def growth(self, context: int, tokens: int) -> int:
         """Bytes the piece's cache may grow by: its new positions and spare room in every layer,
@@ -105,10 +149,11 @@ class Workspace:
         if not pieces:
             return 0
         row = sum(tokens for _, tokens in pieces)
+        chunks = [self.attention(c, n) for c, n in pieces if n > 1]
         return (
             row * self.per_token()
             + len(pieces) * self.vocab * LOGIT_BYTES
-            + max(self.attention(c, n) for c, n in pieces)
+            + max([*chunks, self.decodes([c for c, n in pieces if n <= 1])])
             + sum(self.growth(c, n) for c, n in pieces)
         )
 
