@@ -57,7 +57,12 @@ class LlavaEngine:
 
     @classmethod
     def load(cls, model_dir: str | Path, config: ServerConfig) -> LlavaEngine:
-        """Load the processor and one model replica per device from a checkpoint directory."""
+        """Load the processor and one model replica per device from a checkpoint directory.
+
+        Replicas load one after another: transformers' loader sets process-wide state while it
+        builds a model (the default dtype, its patched weight initialisers), which two loads
+        in threads would leave wrong. Each streams its tensors straight to its own card, and
+        after the first the checkpoint is read from the page cache."""
         model_dir = Path(model_dir)
         checkpoint_family(model_dir)
         processor = load_processor(model_dir)
