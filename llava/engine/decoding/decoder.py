@@ -84,12 +84,12 @@ class Decoder:
         if (self.batch_budget is None and self.workspace_reserve is None) or len(group) < 2:
             return group, []
         ordered = sorted(group, key=lambda item: item[1].cache.get_seq_length())
-        stacked: list[tuple[int, Turn]] = []
-        for item in ordered:
-            rows = [*stacked, item]
-            if not self._fits([t for _, t in rows]):
-                break
-            stacked = rows
+        turns = [t for _, t in ordered]
+        fit, over = 0, len(turns) + 1  # the most shortest rows that fit: each row costs more
+        while over - fit > 1:
+            middle = (fit + over) // 2
+            fit, over = (middle, over) if self._fits(turns[:middle]) else (fit, middle)
+        stacked = ordered[:fit]
         kept = {id(t) for _, t in stacked}
         alone = [item for item in group if id(item[1]) not in kept]
         if alone and len(stacked) > 1:
