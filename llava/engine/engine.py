@@ -44,7 +44,7 @@ from llava.engine.selfcheck import self_check
 from llava.engine.state import snapshot, tiers
 from llava.engine.state.chat import Exchange, Message, common_prefix
 from llava.engine.state.imageset import EMPTY, ImagePreparer, PreparedImages
-from llava.engine.state.session import Replica, SessionState, Turn
+from llava.engine.state.session import Replica, SessionState, Turn, place
 from llava.engine.stepping import run_step
 
 
@@ -93,14 +93,14 @@ class LlavaEngine:
     ) -> SessionState:
         """Make a session's state from a prepared image (or none); nothing is computed yet."""
         turns.refuse_placeholder(self.runner, system_prompt, "system_prompt")
-        replica = min(self.runner.replicas, key=lambda r: r.sessions)
+        replica = place(self.runner.replicas)
         images = EMPTY if image is None else self.runner.images.start(image, replica.device)
         self.runner.images.check_count(len(images.tokens))
         chat = self.runner.chat
         prefix = chat.tokenize(chat.prefix_text(system_prompt, len(images.tokens)), images.tokens)
         state = SessionState(replica, system_prompt, images, prefix)
         state.tier = Tier.FEATURES if self.runner.keeps_kv else Tier.DEVICE
-        replica.sessions += 1
+        replica.states.add(state)
         return state
 
     @torch.inference_mode()
@@ -148,7 +148,7 @@ class LlavaEngine:
 
     def release(self, state: SessionState) -> None:
         """Free a session's state."""
-        state.replica.sessions -= 1
+        state.replica.states.discard(state)
         state.cache, state.cache_ids = None, []
         state.images = EMPTY
 
@@ -162,9 +162,9 @@ class LlavaEngine:
     def resume(self, data: bytes) -> tuple[SessionState, dict[str, Any]]:
         """Rebuild a session from its snapshot, in the FEATURES tier; ValueError if it is not
         a snapshot of this model."""
-        replica = min(self.runner.replicas, key=lambda r: r.sessions)
+        replica = place(self.runner.replicas)
         state, extra = snapshot.restore(data, self.fingerprint, replica)
-        replica.sessions += 1
+        replica.states.add(state)
         return state, extra
 
     def offload(self, state: SessionState) -> int:
@@ -284,7 +284,7 @@ class LlavaEngine:
             copy.tier = state.tier
         else:
             copy.tier = Tier.FEATURES
-        state.replica.sessions += 1
+        state.replica.states.add(copy)
         return copy
 
     def step(self, turns: list[Turn]) -> dict[int, BaseException]:

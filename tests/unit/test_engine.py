@@ -239,6 +239,31 @@ def test_the_device_budget_holds_on_each_card_not_pooled(tiny_checkpoint, engine
         assert turn.text == reference.answers(image, PROMPTS[:1], 10)[0]
 
 
+def test_a_new_session_goes_to_the_card_holding_the_fewest_bytes(tiny_checkpoint, engine):
+    """One long conversation on the first card, a short one on the second: the next session
+    goes to the second card, though both hold one session (by count it went to the first, whose
+    budget the long one already fills); a released session's bytes no longer count."""
+    from transformers import AutoModelForImageTextToText
+
+    from llava.engine.state.session import Replica
+
+    replicas = [
+        Replica(AutoModelForImageTextToText.from_pretrained(tiny_checkpoint).eval(), r.device)
+        for r in engine.runner.replicas * 2
+    ]
+    two = LlavaEngine(engine.runner.processor, replicas, ServerConfig(device="cpu"))
+    long = two.open_session(make_image(70))
+    answer(two, long, "Describe every shape and colour you see, from left to right. " * 8)
+    short = two.open_session(make_image(71))
+    assert [two.card(long), two.card(short)] == [0, 1]
+    assert replicas[0].device_bytes > replicas[1].device_bytes > 0
+    third = two.open_session(make_image(72))
+    assert two.card(third) == 1
+    two.release(long)
+    assert replicas[0].device_bytes == 0 and replicas[0].sessions == 0
+    assert two.card(two.open_session(make_image(73))) == 0
+
+
 def test_bf16_session_is_the_bf16_pipeline_up_to_near_ties(tiny_checkpoint):
     """Each turn against `generate` on the same conversation (the kit's earlier answers as its
     history), token by token up to the first near-tie: bf16 rounds differently in a cached

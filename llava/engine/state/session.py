@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from typing import Any
+from weakref import WeakSet
 
 import torch
 from transformers import DynamicCache
@@ -24,7 +25,22 @@ class Replica:
 
     model: Any
     device: torch.device
-    sessions: int = 0
+    states: WeakSet[SessionState] = field(default_factory=WeakSet)  # the sessions pinned here
+
+    @property
+    def sessions(self) -> int:
+        return len(self.states)
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes its sessions hold on its device."""
+        return sum(state.device_bytes for state in list(self.states))
+
+
+def place(replicas: list[Replica]) -> Replica:
+    """Choose the replica for a new session: the one whose sessions hold the fewest bytes on
+    its device (each card's budget is its own), then the one with the fewest sessions."""
+    return min(replicas, key=lambda r: (r.device_bytes, r.sessions))
 
 
 def tensor_bytes(tensors: Any) -> int:
