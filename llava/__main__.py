@@ -69,6 +69,7 @@ def _serve_ray(args: argparse.Namespace) -> None:
         address=args.address,
         proxy_location=args.proxy_location,
         settings=package.get("settings"),
+        metrics_port=args.metrics_port,
     )
 
 
@@ -145,6 +146,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="EveryNode",
         choices=["EveryNode", "HeadOnly"],
         help="where Ray runs HTTP proxies (HeadOnly: several nodes on one machine share a port)",
+    )
+    ray.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="where a new local cluster serves its Prometheus metrics, the kit's gauges among "
+        "them (ray_LlavaSessions, ...; default: a port Ray picks)",
     )
     ray.set_defaults(run=_serve_ray)
 

@@ -12,7 +12,7 @@ import pytest
 from helpers import Reference, in_private_network
 
 from llava.fronts.ray.launcher import RayServe
-from llava.fronts.torchserve.launcher import TorchServe
+from llava.fronts.torchserve.launcher import TorchServe, free_port
 from llava.tools.archive import build_archive
 from llava.tools.tiny import build_checkpoint
 
@@ -96,7 +96,12 @@ def ray_front(
     """One Ray Serve front with two CPU replicas for the whole run, on the same checkpoint."""
     if not in_private_network():
         pytest.skip("Ray runs only in a private network namespace: run `make test-ray` as root")
-    front = RayServe(tiny_checkpoint, replicas=2, workdir=tmp_path_factory.mktemp("ray"))
+    front = RayServe(
+        tiny_checkpoint,
+        replicas=2,
+        workdir=tmp_path_factory.mktemp("ray"),
+        metrics_port=free_port(),
+    )
     front.start()
     try:
         yield front

@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 import pytest
 from helpers import Reference, ask, data_uri, in_private_network, make_image, open_session, post
+from prometheus_client.parser import text_string_to_metric_families
 
 from llava.fronts.ray.launcher import RayCluster, RayServe
 from llava.fronts.ray.package import write_package
 
 pytestmark = pytest.mark.integration
+DIMENSIONS = {"Tier", "Reason", "Store"}
 PROMPTS = ["What is in the picture?", "And what else?"]
 TOKENS = 6
 
@@ -72,6 +75,41 @@ def test_a_burst_of_opens_and_questions_from_16_clients_gives_no_error(
     with ThreadPoolExecutor(16) as pool:
         results = list(pool.map(client, range(16)))
     assert results == [[200, 200, 200]] * 16
+
+
+def gauges(front: RayServe) -> dict[tuple[str, str], dict[tuple[str, str], float]]:
+    """The kit's gauges on the cluster's Prometheus endpoint (`ray_llava_*`): by (name,
+    replica), each dimension's value."""
+    text = httpx.get(f"http://127.0.0.1:{front.metrics_port}/metrics", timeout=10).text
+    out: dict[tuple[str, str], dict[tuple[str, str], float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith("ray_llava_") and "Replica" in sample.labels:
+                key, value = next((k, v) for k, v in sample.labels.items() if k in DIMENSIONS)
+                by = out.setdefault((sample.name[4:], sample.labels["Replica"]), {})
+                by[(key, value)] = sample.value
+    return out
+
+
+def test_each_replica_publishes_the_kits_gauges_as_ray_metrics(ray_front: RayServe) -> None:
+    """What the TorchServe worker publishes as its metrics, each replica publishes through
+    Ray's (each node's Prometheus endpoint), tagged with its rank: an open session counts in
+    its replica's sessions, with its bytes on the device."""
+    sid, _ = converse(ray_front.url("/invocations"), 400, PROMPTS[:1])
+    replica = rank(sid)
+    deadline = time.monotonic() + 90  # Ray's agent exports what replicas set every few seconds
+    while True:
+        seen = gauges(ray_front)
+        sessions = seen.get(("llava_sessions", replica), {})
+        if sum(sessions.values()) >= 1:
+            break
+        assert time.monotonic() < deadline, f"no sessions published for {replica}: {seen}"
+        time.sleep(1)
+    assert set(sessions) == {("Tier", t) for t in ("device", "host", "features")}
+    assert seen[("llava_session_device_bytes", replica)][("Tier", "device")] > 0
+    alone = seen[("llava_decoded_alone", replica)]
+    assert set(alone) == {("Reason", "room"), ("Reason", "failure")}
+    assert ("llava_snapshots", replica) in seen
 
 
 def test_a_killed_replica_loses_no_other_replicas_sessions_and_its_own_come_back(

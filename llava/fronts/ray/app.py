@@ -81,16 +81,23 @@ def serve_forever(
     address: str | None = None,
     proxy_location: str = "EveryNode",
     settings: Mapping[str, Any] | None = None,
+    metrics_port: int | None = None,
 ) -> None:
     """Serve a checkpoint with Ray Serve on host:port until SIGTERM or Ctrl-C (`settings`:
-    ServerConfig fields, as a model package's config.yaml gives them)."""
+    ServerConfig fields, as a model package's config.yaml gives them; `metrics_port`: where a
+    new local cluster serves its Prometheus metrics)."""
     for name, value in RAY_ENV.items():  # read by every Ray process this one starts
         os.environ.setdefault(name, value)
     import ray
     from ray import serve
 
     # No address: a new local cluster ("local"), never one a past `ray start` left behind.
-    ray.init(address=address or "local", include_dashboard=False, log_to_driver=False)
+    ray.init(
+        address=address or "local",
+        include_dashboard=False,
+        log_to_driver=False,
+        _metrics_export_port=None if address else metrics_port,
+    )
     serve.start(proxy_location=proxy_location, http_options={"host": host, "port": port})
     app = build(
         {

@@ -37,6 +37,7 @@ class RayServe:
         address: str | None = None,
         proxy_location: str = "EveryNode",
         config: Path | None = None,
+        metrics_port: int | None = None,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.config = config  # a model package's config.yaml: served instead of model_dir
@@ -46,6 +47,7 @@ class RayServe:
         self.address = address
         self.proxy_location = proxy_location
         self.env = env or {}
+        self.metrics_port = metrics_port  # its cluster's Prometheus metrics (a new one's)
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -65,19 +67,27 @@ class RayServe:
         command += ["--proxy-location", self.proxy_location]
         if self.address:
             command += ["--address", self.address]
+        if self.metrics_port:
+            command += ["--metrics-port", str(self.metrics_port)]
         env = {**os.environ, **state_env(self.workdir), **self.env}
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 command, cwd=self.workdir, env=env, stdout=log, stderr=subprocess.STDOUT
             )
         deadline = time.monotonic() + timeout_s
-        while "(ready)" not in self.logs():
+        while not ("(ready)" in self.logs() and self._pings()):  # the proxy may start after
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"Ray Serve did not start; last lines:\n{self.log_tail()}")
             time.sleep(0.5)
-        httpx.get(self.url("/ping"), timeout=30).raise_for_status()
         return self
+
+    def _pings(self) -> bool:
+        """Tell whether the front answers /ping."""
+        try:
+            return httpx.get(self.url("/ping"), timeout=30).status_code == 200
+        except httpx.TransportError:
+            return False
 
     def replica_pids(self) -> list[int]:
         """Return the process ids of the replicas (Ray titles each replica's process)."""

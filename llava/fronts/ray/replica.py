@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from llava.core.config import ServerConfig
+from llava.fronts.gauges import DESCRIPTIONS, Gauges, Reading, snake_case
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +67,9 @@ class LlavaReplica:
         self.instance.service.usage_extra["replica"] = self.name
         self.instance.service.usage_extra["node"] = ray.get_runtime_context().get_node_id()[:12]
         self._stats: dict[str, Any] = {"rank": self.rank, "device_bytes": 0, "sessions": 0}
-        self._stats_version = -1
-        self.loop = StepLoop(self.instance.service, after_step=self._count_load)
+        self.gauges = Gauges(self.instance)
+        self._metrics: dict[str, Any] = {}  # Ray's gauges, by name
+        self.loop = StepLoop(self.instance.service, after_step=self._after_step)
         freeze_startup_objects()
         log.info("llava replica %s ready: %s", self.name, config)
 
@@ -95,18 +97,33 @@ class LlavaReplica:
         lock (measured: waiting on it made probes miss their deadline and requests wait 30 s)."""
         return dict(self._stats)
 
-    def _count_load(self) -> None:
-        """Count sessions and device bytes after a step that changed them (loop thread)."""
-        store = self.instance.service.store
-        if store.version == self._stats_version:
-            return
-        self._stats_version = store.version
-        tiers = self.instance.memory.tiers(store.snapshot())
-        self._stats = {
-            "rank": self.rank,
-            "device_bytes": sum(t["device_bytes"] for t in tiers.values()),
-            "sessions": sum(t["sessions"] for t in tiers.values()),
-        }
+    def _after_step(self) -> None:
+        """Count the load the router reads and publish the gauges that changed (loop thread)."""
+        readings = self.gauges.changed()
+        if any(r.dimension[0] == "Tier" for r in readings):  # the tiers were counted anew
+            tiers = self.gauges.tiers.values()
+            self._stats = {
+                "rank": self.rank,
+                "device_bytes": sum(t["device_bytes"] for t in tiers),
+                "sessions": sum(t["sessions"] for t in tiers),
+            }
+        try:
+            self._publish(readings)
+        except Exception:  # metrics must never cost a request its answer
+            log.warning("could not publish metrics", exc_info=True)
+
+    def _publish(self, readings: list[Reading]) -> None:
+        """Set Ray's gauges (each node's metrics port: `ray_llava_sessions{Tier,Replica}`)."""
+        from ray.util.metrics import Gauge
+
+        for reading in readings:
+            key, value = reading.dimension
+            gauge = self._metrics.get(reading.name)
+            if gauge is None:
+                gauge = self._metrics[reading.name] = Gauge(
+                    snake_case(reading.name), DESCRIPTIONS[reading.name], tag_keys=(key, "Replica")
+                )
+            gauge.set(reading.value, tags={key: value, "Replica": f"r{self.rank}"})
 
     def check_health(self) -> None:
         """Fail Ray's health check when the step loop has died (Ray then replaces the replica)."""

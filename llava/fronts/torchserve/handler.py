@@ -26,6 +26,7 @@ from typing import Any
 
 from llava.api.replies import Reply, error_reply, internal_error
 from llava.core.config import ServerConfig
+from llava.fronts.gauges import Gauges
 from llava.server.service import Incoming, SessionService
 
 log = logging.getLogger(__name__)
@@ -51,12 +52,7 @@ class SessionHandler:
     def __init__(self) -> None:
         self.service: SessionService[Any, Any] | None = None
         self.config: ServerConfig | None = None
-        self.memory: Any = None
-        self._last_tiers: dict[str, Any] | None = None
-        self._reported_version: int | None = None
-        self._last_snapshots: dict[str, int] | None = None
-        self._decoder: Any = None  # the engine's, for what it decoded outside a batch
-        self._last_alone: dict[str, int] = {}
+        self.gauges: Gauges | None = None
 
     def initialize(self, context: Any) -> None:
         """Build config, engine, session store and image loader from the model archive."""
@@ -83,11 +79,7 @@ class SessionHandler:
         instance = assemble(
             model_dir, config, model_name=str(getattr(context, "model_name", None) or "llava")
         )
-        self.service, self.memory, self._decoder = (
-            instance.service,
-            instance.memory,
-            instance.decoder,
-        )
+        self.service, self.gauges = instance.service, Gauges(instance)
         freeze_startup_objects()
         log.info("llava handler ready: %s", config)
 
@@ -107,95 +99,28 @@ class SessionHandler:
             replies = self.service.step(batch)
         except Exception as exc:  # a bug above the per-request guards: still answer each one
             replies = [error_reply(internal_error(exc))] * len(data)
-        self._report_memory(context)
+        self._report(context)
         return self._emit(replies, context)
 
-    def _report_memory(self, context: Any) -> None:
-        """Publish sessions and bytes per memory tier as TorchServe gauges when they change."""
+    def _report(self, context: Any) -> None:
+        """Publish the instance's gauges that changed this step as TorchServe metrics."""
         metrics = getattr(context, "metrics", None)
-        if self.memory is None or metrics is None or self.service is None:
+        if self.gauges is None or metrics is None:
             return
-        self._report_snapshots(metrics)
-        self._report_alone(metrics)
-        store = self.service.store
-        if store.version == self._reported_version:
-            return  # nothing changed since the last step: skip walking every cache
-        self._reported_version = store.version
         try:
             from ts.metrics.dimension import Dimension
             from ts.metrics.metric_type_enum import MetricTypes
 
-            tiers = self.memory.tiers(store.snapshot())
-            if tiers == self._last_tiers:
-                return
-            self._last_tiers = tiers
-            for tier, figures in tiers.items():
-                dims = [Dimension("Tier", tier)]
+            for reading in self.gauges.changed():
                 metrics.add_metric(
-                    "LlavaSessions",
-                    figures["sessions"],
-                    "count",
-                    dimensions=dims,
-                    metric_type=MetricTypes.GAUGE,
-                )
-                for kind in ("device_bytes", "host_bytes"):
-                    metrics.add_metric(
-                        f"LlavaSession{kind.title().replace('_', '')}",
-                        figures[kind],
-                        "B",
-                        dimensions=dims,
-                        metric_type=MetricTypes.GAUGE,
-                    )
-        except Exception:  # metrics must never cost a request its answer
-            log.warning("could not publish session metrics", exc_info=True)
-
-    def _report_alone(self, metrics: Any) -> None:
-        """Publish the answer steps decoded outside the stacked batch, by reason (no room for a
-        long conversation; the stacked forward failed), when they change."""
-        if self._decoder is None:
-            return
-        counts = {"room": self._decoder.alone_for_room, "failure": self._decoder.stack_failures}
-        if counts == self._last_alone:
-            return
-        self._last_alone = counts
-        try:
-            from ts.metrics.dimension import Dimension
-            from ts.metrics.metric_type_enum import MetricTypes
-
-            for reason, count in counts.items():
-                metrics.add_metric(
-                    "LlavaDecodedAlone",
-                    count,
-                    "Count",
-                    dimensions=[Dimension("Reason", reason)],
+                    reading.name,
+                    reading.value,
+                    reading.unit,
+                    dimensions=[Dimension(*reading.dimension)],
                     metric_type=MetricTypes.GAUGE,
                 )
         except Exception:  # metrics must never cost a request its answer
-            log.warning("could not publish decode metrics", exc_info=True)
-
-    def _report_snapshots(self, metrics: Any) -> None:
-        """Publish the snapshots on disk (count and bytes) when they change."""
-        snapshots = self.service.snapshots if self.service is not None else None
-        if snapshots is None:
-            return
-        stats = snapshots.stats()
-        if stats == self._last_snapshots:
-            return
-        self._last_snapshots = stats
-        try:
-            from ts.metrics.dimension import Dimension
-            from ts.metrics.metric_type_enum import MetricTypes
-
-            dims = [Dimension("Store", "disk")]
-            for name, value, unit in (
-                ("LlavaSnapshots", stats["snapshots"], "Count"),
-                ("LlavaSnapshotBytes", stats["bytes"], "Bytes"),
-            ):
-                metrics.add_metric(
-                    name, value, unit, dimensions=dims, metric_type=MetricTypes.GAUGE
-                )
-        except Exception:  # metrics must never cost a request its answer
-            log.warning("could not publish snapshot metrics", exc_info=True)
+            log.warning("could not publish metrics", exc_info=True)
 
     @staticmethod
     def _emit(replies: list[Reply | None], context: Any) -> list[Any]:

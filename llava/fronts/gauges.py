@@ -1,0 +1,93 @@
+"""What a serving instance publishes as gauges, read after a step for whichever front publishes
+them (TorchServe's metrics, Ray's): its sessions and their bytes per memory tier, its snapshots
+on disk, and the answer steps decoded outside the stacked batch (no room for them, or the
+stacked forward failed). Only readings that changed since the last read come back, and the
+sessions' caches are walked only when the session store changed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+DESCRIPTIONS = {
+    "LlavaSessions": "Sessions held, by memory tier",
+    "LlavaSessionDeviceBytes": "Bytes sessions hold on the GPU, by memory tier",
+    "LlavaSessionHostBytes": "Bytes sessions hold in host memory, by memory tier",
+    "LlavaSnapshots": "Session snapshots on disk",
+    "LlavaSnapshotBytes": "Bytes of session snapshots on disk",
+    "LlavaDecodedAlone": "Answer steps decoded outside the stacked batch, by reason",
+}
+
+
+def snake_case(name: str) -> str:
+    """A gauge's name as Prometheus spells metrics (`LlavaSessions` -> `llava_sessions`)."""
+    return "".join(f"_{c.lower()}" if c.isupper() else c for c in name).lstrip("_")
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One gauge's value under one dimension."""
+
+    name: str
+    value: int
+    unit: str
+    dimension: tuple[str, str]  # (name, value), e.g. ("Tier", "device")
+
+
+class Gauges:
+    """Read an instance's gauges: `changed()` after each step."""
+
+    def __init__(self, instance: Any) -> None:
+        self.service, self.memory, self.decoder = (
+            instance.service,
+            instance.memory,
+            instance.decoder,
+        )
+        self._store_version: int | None = None
+        self._last: dict[tuple[str, tuple[str, str]], int] = {}
+        # sessions and bytes per tier, as last counted (a router reads the load off them)
+        self.tiers: dict[str, dict[str, int]] = {}
+
+    def changed(self) -> list[Reading]:
+        """Return the readings whose value changed since the last call (all of them, first)."""
+        readings = [*self._decoded_alone(), *self._snapshots()]
+        store = self.service.store
+        if store.version != self._store_version:  # else: skip walking every cache
+            self._store_version = store.version
+            self.tiers = self.memory.tiers(store.snapshot())
+            readings += self._tiers(self.tiers)
+        fresh = [r for r in readings if self._last.get((r.name, r.dimension)) != r.value]
+        for reading in fresh:
+            self._last[(reading.name, reading.dimension)] = reading.value
+        return fresh
+
+    @staticmethod
+    def _tiers(tiers: dict[str, dict[str, int]]) -> list[Reading]:
+        out = []
+        for tier, figures in tiers.items():
+            dimension = ("Tier", tier)
+            out += [
+                Reading("LlavaSessions", figures["sessions"], "count", dimension),
+                Reading("LlavaSessionDeviceBytes", figures["device_bytes"], "B", dimension),
+                Reading("LlavaSessionHostBytes", figures["host_bytes"], "B", dimension),
+            ]
+        return out
+
+    def _snapshots(self) -> list[Reading]:
+        snapshots = self.service.snapshots
+        if snapshots is None:
+            return []
+        stats = snapshots.stats()
+        return [
+            Reading("LlavaSnapshots", stats["snapshots"], "count", ("Store", "disk")),
+            Reading("LlavaSnapshotBytes", stats["bytes"], "B", ("Store", "disk")),
+        ]
+
+    def _decoded_alone(self) -> list[Reading]:
+        return [
+            Reading("LlavaDecodedAlone", self.decoder.alone_for_room, "count", ("Reason", "room")),
+            Reading(
+                "LlavaDecodedAlone", self.decoder.stack_failures, "count", ("Reason", "failure")
+            ),
+        ]
