@@ -4,6 +4,7 @@
     python bench/capacity.py --model llava15       # LLaVA-1.5's shapes, 576 image tokens
     python bench/capacity.py --fractions 0.5 0.8 --duration-s 60 --strategies session
     python bench/capacity.py --torch-threads 0 2   # the default thread count and 2, side by side
+    python bench/capacity.py --rates 1 4 16        # conversations/s (a GPU: not a CPU bound)
 
 A user's traffic: conversations arrive at random (Poisson) for a fixed time per rate; each opens
 with a JPEG sent inline (a drawn scene for the trained `shapes`, a 640x400 photo for a
@@ -259,18 +260,22 @@ def sweep(
     duration_s: float,
     slo_ms: float,
     open_slo_ms: float,
+    rates: list[float] | None = None,
 ) -> dict[str, Any]:
-    """Measure the bound, then each fraction of it; capacity is the highest rate held."""
+    """Measure the bound, then each fraction of it (or each of `rates`, conversations per
+    second: a GPU's bound is not the CPU's); capacity is the highest rate held."""
     alone = cost(caller, cpu, runs=5)
     duration = max(duration_s, 5 * alone["lifetime_s"])
     print(f"  alone: {alone}; {duration:.0f} s of arrivals per rate", file=sys.stderr)
+    if rates:
+        fractions = [rate / alone["bound_per_s"] for rate in rates]
     rows, best = [], 0.0
     for i, fraction in enumerate(fractions):
         rate = fraction * alone["bound_per_s"]
         # and at least MIN_ARRIVALS conversations expected, so a slow rate's p95 means something
         lasting = max(duration, MIN_ARRIVALS / rate)
         row = run_rate(caller, cpu, rate, lasting, i + 1, alone["cpu_s_per_open"])
-        row["fraction_of_bound"] = fraction
+        row["fraction_of_bound"] = round(fraction, 3)
         row["held"] = (
             row["p95_ms"] is not None
             and row["p95_ms"] <= slo_ms
@@ -333,6 +338,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.6, 0.8, 0.9, 1.0, 1.2])
     parser.add_argument("--pixel-fractions", type=float, nargs="+", default=[0.1, 0.15, 0.2])
+    parser.add_argument(
+        "--rates",
+        type=float,
+        nargs="+",
+        default=None,
+        help="conversations per second to run instead of fractions of the CPU bound (a GPU)",
+    )
     parser.add_argument("--duration-s", type=float, default=60.0)
     parser.add_argument("--slo-ms", type=float, default=1000.0)
     parser.add_argument(
@@ -379,7 +391,13 @@ def main(argv: list[str] | None = None) -> None:
                 fractions = args.fractions if strategy == "session" else args.pixel_fractions
                 print(f"{name}:", file=sys.stderr)
                 results["strategies"][name] = sweep(
-                    caller, ServerCPU(ts), fractions, args.duration_s, args.slo_ms, args.open_slo_ms
+                    caller,
+                    ServerCPU(ts),
+                    fractions,
+                    args.duration_s,
+                    args.slo_ms,
+                    args.open_slo_ms,
+                    args.rates,
                 )
             finally:
                 ts.stop()

@@ -186,14 +186,24 @@ def long_chat(url: str, images: list[str], turns: int, tokens: int) -> dict[str,
 def floors(model: Any, rows: list[dict[str, Any]], repeats: int = 5) -> list[float]:
     """The model's own cost of each turn: one bare forward (transformers, no kit) over the
     turn's new tokens on a cache as long as what the turn reused, timed with the server
-    stopped, on as many threads as the server's torch (all CPUs). The ids are random: a
-    forward's time depends on the lengths only."""
+    stopped, where the server ran it (the GPU; on a CPU, as many threads as the server's
+    torch: all CPUs). The ids are random: a forward's time depends on the lengths only."""
     import torch
+
+    device = model.device
+
+    def ids(count: int) -> Any:
+        return torch.randint(3, 300, (1, count), device=device)
+
+    def done() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
 
     longest = max(r["cached_tokens"] for r in rows)
     out: dict[int, float] = {}
     with torch.inference_mode():
-        cache = model(input_ids=torch.randint(3, 300, (1, longest)), use_cache=True).past_key_values
+        cache = model(input_ids=ids(longest), use_cache=True).past_key_values
         length = longest
         for i in sorted(range(len(rows)), key=lambda i: -rows[i]["cached_tokens"]):
             context, new = (
@@ -205,10 +215,10 @@ def floors(model: Any, rows: list[dict[str, Any]], repeats: int = 5) -> list[flo
                 length = context
             times = []
             for _ in range(repeats):
-                started = time.perf_counter()
-                ids = torch.randint(3, 300, (1, max(new, 1)))
-                model(input_ids=ids, past_key_values=cache, logits_to_keep=1)
-                times.append((time.perf_counter() - started) * 1000)
+                fed = ids(max(new, 1))
+                started = done()
+                model(input_ids=fed, past_key_values=cache, logits_to_keep=1)
+                times.append((done() - started) * 1000)
                 cache.crop(-max(new, 1))
             out[i] = statistics.median(times)
     return [round(out[i], 1) for i in range(len(rows))]
@@ -217,10 +227,11 @@ def floors(model: Any, rows: list[dict[str, Any]], repeats: int = 5) -> list[flo
 def add_floors(model_dir: Path, long: dict[str, Any]) -> None:
     """Beside each long chat's early and late TTFT, the model's own forward at those turns:
     what grows with the context on this machine whatever serves it."""
-    import torch
-    from transformers import AutoModelForImageTextToText
+    from llava.core.config import ServerConfig
+    from llava.engine.model.loading import load_model, resolve_devices
 
-    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    config = ServerConfig()  # the server's defaults: its device and dtype
+    model = load_model(model_dir, resolve_devices(config)[0], config)
     for name in ("header-less", "session"):
         rows = long["rows"][name]
         turns = [*rows[EARLY], *rows[LATE]]  # 10 turns each, timed on one cache

@@ -8,8 +8,11 @@ Builds a random-weight checkpoint with llava-1.5-7b's real shapes directly on th
 - follow-up time to first token per turn: the session cache against the pixel cache (the
   reference design) and stateless serving (bench/run.py);
 - decode tokens/s at 1, 8 and 32 concurrent sessions against one at a time (bench/run.py);
-- the longest stream gap while 4 sessions open, and capacity under the SLO: the highest rate of
-  arriving 4-turn conversations held with p95 follow-up TTFT under 1 s (bench/load.py);
+- the longest stream gap while 4 sessions open (bench/load.py);
+- capacity under the SLO: the highest rate of arriving 4-turn conversations held with p95
+  follow-up TTFT under 1 s, the session cache against the pixel cache (bench/capacity.py);
+- chat clients' follow-ups: header-less against the session header and one-shot, and the
+  100-turn curve beside the model's own forward (bench/chats.py);
 - GPU bytes per session, just opened and after 4 turns (the sessions' own `usage`).
 Results: bench/results/gpu/ (JSON, PNG, and summary.md: the table for docs/performance.md).
 """
@@ -27,6 +30,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import capacity  # noqa: E402
+import chats  # noqa: E402
 import load  # noqa: E402
 import run  # noqa: E402
 
@@ -93,6 +98,8 @@ def summary(out: Path, gpu: str, profile: str, extra: dict[str, Any]) -> str:
     bench = json.loads((out / "bench.json").read_text())["results"]
     [figures] = bench.values()
     loads = json.loads((out / "load.json").read_text())
+    capacities = json.loads((out / f"capacity-{profile}.json").read_text())
+    chatting = json.loads((out / "chats.json").read_text())
     lines = [
         f"Measured on **{gpu}**, `{profile}` (random weights; "
         + ("real shapes, bf16" if profile == PROFILE else "tiny shapes, float32")
@@ -100,7 +107,8 @@ def summary(out: Path, gpu: str, profile: str, extra: dict[str, Any]) -> str:
         "",
         run.table(f"{profile} / torchserve", figures),
     ]
-    lines += ["", load.table(loads), ""]
+    lines += ["", load.table(loads), "", capacity.table(capacities), ""]
+    lines += [chats.tables(chatting), ""]
     lines.append(
         "Session bytes (device + host, from `usage.session_bytes`): "
         + ", ".join(f"{k.replace('_', ' ')}: {v / 2**20:.1f} MiB" for k, v in extra.items())
@@ -143,17 +151,19 @@ def main(argv: list[str] | None = None) -> None:
             str(out),
         ]
     )
-    rates = ["0.5", "1"] if args.logic else ["0.5", "1", "2", "4", "8", "16"]
-    load.main(
+    common = ["--model", profile, "--out", str(out)]
+    load.main([*common, "--gap-runs", "1" if args.logic else "3"])
+    rates = ["0.5", "1"] if args.logic else ["1", "2", "4", "8", "16", "32"]
+    capacity.main([*common, "--rates", *rates, "--duration-s", "10" if args.logic else "60"])
+    chats.main(
         [
-            "--model",
-            profile,
-            "--out",
-            str(out),
-            "--conversations",
-            "8" if args.logic else "40",
-            "--rates",
-            *rates,
+            *common,
+            "--repeats",
+            "1" if args.logic else str(args.repeats),
+            "--long-turns",
+            "20" if args.logic else "100",
+            "--long-chats",
+            "1" if args.logic else "3",
         ]
     )
     extra = session_bytes(model_dir, Path(tempfile.mkdtemp()))
