@@ -24,6 +24,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +117,29 @@ def summary(out: Path, gpu: str, profile: str, extra: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plan(
+    profile: str, logic: bool, out: Path, repeats: int
+) -> list[tuple[Callable[[list[str]], None], list[str]]]:
+    """Each benchmark this runs, with its arguments (`--logic`: fewer and shorter runs)."""
+    common = ["--model", profile, "--out", str(out)]
+    concurrency = ["1", "2"] if logic else ["1", "8", "32"]
+    rates = ["0.5", "1"] if logic else ["1", "2", "4", "8", "16", "32"]
+    return [
+        (
+            run.main,
+            ["--models", profile, "--envs", "torchserve", "--repeats", str(repeats)]
+            + ["--concurrency", *concurrency, "--out", str(out)],
+        ),
+        (load.main, [*common, "--gap-runs", "1" if logic else "3"]),
+        (capacity.main, [*common, "--rates", *rates, "--duration-s", "10" if logic else "60"]),
+        (
+            chats.main,
+            [*common, "--repeats", "1" if logic else str(repeats)]
+            + ["--long-turns", "20" if logic else "100", "--long-chats", "1" if logic else "3"],
+        ),
+    ]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -136,36 +160,8 @@ def main(argv: list[str] | None = None) -> None:
     out = args.out or HERE / "results" / ("gpu-logic" if args.logic else "gpu")
     out.mkdir(parents=True, exist_ok=True)
     model_dir = build(profile, args.logic)
-    concurrency = ["1", "2"] if args.logic else ["1", "8", "32"]
-    run.main(
-        [
-            "--models",
-            profile,
-            "--envs",
-            "torchserve",
-            "--repeats",
-            str(args.repeats),
-            "--concurrency",
-            *concurrency,
-            "--out",
-            str(out),
-        ]
-    )
-    common = ["--model", profile, "--out", str(out)]
-    load.main([*common, "--gap-runs", "1" if args.logic else "3"])
-    rates = ["0.5", "1"] if args.logic else ["1", "2", "4", "8", "16", "32"]
-    capacity.main([*common, "--rates", *rates, "--duration-s", "10" if args.logic else "60"])
-    chats.main(
-        [
-            *common,
-            "--repeats",
-            "1" if args.logic else str(args.repeats),
-            "--long-turns",
-            "20" if args.logic else "100",
-            "--long-chats",
-            "1" if args.logic else "3",
-        ]
-    )
+    for bench, argv in plan(profile, args.logic, out, args.repeats):
+        bench(argv)
     extra = session_bytes(model_dir, Path(tempfile.mkdtemp()))
     (out / "session_bytes.json").write_text(json.dumps(extra, indent=2))
     text = summary(out, device_name(args.logic), profile, extra)
