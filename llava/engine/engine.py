@@ -319,8 +319,9 @@ class LlavaEngine:
 
     @torch.inference_mode()
     def abort_turn(self, turn: Turn) -> None:
-        """Drop an unfinished answer and roll the session's cache back to before it."""
-        self.runner.decoder.detach(turn)
+        """Drop an unfinished answer and roll the session's cache back to before it (its own
+        cache, never what a stacked batch holds of it: nothing is copied, so nothing fails)."""
+        self.runner.decoder.drop(turn)
         if turn.branch or turn.cache is not turn.state.cache:
             return
         crop_to(turn.cache, turn.start_len)

@@ -320,10 +320,13 @@ class SessionService(Generic[StateT, TurnT]):
         return self.opener.opened_reply(session)
 
     def _finish_answer(self, request_id: str, work: Answering) -> Reply:
+        try:
+            self.engine.finish_turn(work.turn)
+        except Exception as exc:  # not committed (a copy out of the stacked batch failed):
+            return self._fail_answer(request_id, work, exc)  # rolled back to its last turn
         del self._work[request_id]
         more = dict(self.usage_extra)
         try:
-            self.engine.finish_turn(work.turn)
             if not work.transient:
                 self._keep(work.session)
             elif self.chats.adopt(work):

@@ -25,6 +25,7 @@ class DecodeBatch:
         width, room = padded_room(turns)
         self._pad = [width - n for n in self._lengths]
         self._steps = 0
+        self._forgotten: set[int] = set()  # rows of abandoned turns: never copied back
         self.cache = batch_cache(
             [
                 (
@@ -51,10 +52,17 @@ class DecodeBatch:
         return out
 
     def same_members(self, turns: list[Turn]) -> bool:
-        """Tell whether this batch holds exactly `turns`, in order."""
-        return len(turns) == len(self.turns) and all(
-            a is b for a, b in zip(turns, self.turns, strict=True)
+        """Tell whether this batch holds exactly `turns`, in order (none forgotten)."""
+        return (
+            not self._forgotten
+            and len(turns) == len(self.turns)
+            and all(a is b for a, b in zip(turns, self.turns, strict=True))
         )
+
+    def forget(self, turn: Turn) -> None:
+        """Leave an abandoned turn's row behind: it is never copied back to the turn's cache
+        (which is rolled back instead), and the batch is restacked without it."""
+        self._forgotten.update(row for row, t in enumerate(self.turns) if t is turn)
 
     def forward(self, model: torch.nn.Module) -> torch.Tensor:
         """Feed each turn's pending token; return next-token logits, one row per turn."""
@@ -92,6 +100,8 @@ class DecodeBatch:
         """
         copies = []
         for row, turn in enumerate(self.turns):
+            if row in self._forgotten:
+                continue
             start = self._pad[row]
             stop = start + self._lengths[row] + self._steps
             for batched, own in zip(self.cache.layers, turn.cache.layers, strict=True):

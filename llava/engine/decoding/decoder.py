@@ -209,6 +209,13 @@ class Decoder:
         for replica_idx in list(self._batches):
             self.split(replica_idx)
 
+    def drop(self, turn: Turn) -> None:
+        """Take an abandoned answer out of its stacked batch without copying anything: its
+        cache is rolled back, not brought up to date, so no copy can fail it (or the others,
+        which keep their rows until the batch is restacked)."""
+        for batch in self._batches.values():
+            batch.forget(turn)
+
     def detach(self, turn: Turn) -> None:
         """Make sure a turn's own cache is current (it may live in a stacked batch)."""
         for replica_idx, batch in list(self._batches.items()):
