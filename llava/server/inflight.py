@@ -55,6 +55,12 @@ class Answering(Generic[TurnT]):
     sent_tokens: int = 0  # tokens whose line has gone out
     headers: dict[str, str] = field(default_factory=dict)  # sent with the first reply
 
+    def overdue(self, limit_s: float | None, now: float) -> bool:
+        """Whether a whole (not streamed) answer with some text has outlasted its caller's
+        time limit: SageMaker drops a response that takes over 60 s."""
+        late = limit_s is not None and now - self.admitted > limit_s
+        return late and not self.stream and bool(self.turn.generated)
+
     @property
     def streaming(self) -> bool:
         """The HTTP head has gone out: it goes with the first token's line."""

@@ -268,7 +268,10 @@ class SessionService(Generic[StateT, TurnT]):
         running = [(r, w) for r, w in self._work.items() if not isinstance(w, Fetching)]
         if not running:
             return {}
-        self._end_overdue(running)
+        now = time.monotonic()
+        for _, work in running:  # end overdue whole answers with the text they have
+            if isinstance(work, Answering) and work.overdue(self.whole_answer_s, now):
+                self.engine.cut_short(work.turn)
         errors = step_with_retry(self.engine, self.store, [w.turn for _, w in running])
         replies: dict[str, Reply] = {}
         for i, (request_id, work) in enumerate(running):
@@ -289,17 +292,6 @@ class SessionService(Generic[StateT, TurnT]):
             if reply is not None:
                 replies[request_id] = reply
         return replies
-
-    def _end_overdue(self, running: list[tuple[str, Any]]) -> None:
-        """End whole (not streamed) answers that would outlast their caller's time limit with
-        the text they have: SageMaker drops a response that takes over 60 s."""
-        if self.whole_answer_s is None:
-            return
-        now = time.monotonic()
-        for _, work in running:
-            overdue = isinstance(work, Answering) and now - work.admitted > self.whole_answer_s
-            if overdue and not work.stream and work.turn.generated:
-                self.engine.cut_short(work.turn)
 
     def _advance_open(
         self, request_id: str, work: Opening[StateT, TurnT], error: BaseException | None
