@@ -568,3 +568,83 @@ def test_faults_anywhere_leave_every_session_at_a_turn_it_answered(
             assert said == reference.answers(make_image(s), asked, 6), (s, dict(raised))
     finally:
         service.close()
+
+
+@settings(
+    max_examples=20,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(plan=st.fixed_dictionaries(FAULT_POINTS))
+def test_faults_anywhere_never_change_what_a_chat_sent_whole_is_answered(
+    engine: LlavaEngine, reference: Reference, plan: dict[str, Any]
+) -> None:
+    """Two chats sent as chat clients send them (no session header, the whole conversation
+    every turn, a title request over it between turns), while faults strike anywhere: what the
+    instance holds of each chat is reused, forked and moved between tiers meanwhile. Every
+    answer that comes back is the pipeline's answer to the messages sent; a failed one is
+    re-sent as a client's retry; after the faults, each chat's next answer is still the
+    pipeline's."""
+    probe = engine.open_session(make_image(90))
+    budget = int(probe.cache_bytes * 2.2)
+    engine.release(probe)
+    store = SessionStore(
+        memory=TieredMemory(engine, budget, None), release=lambda s, r: engine.release(s.state)
+    )
+    service = SessionService(engine, store, SeededImages(), limits=engine.runner.config.limits)
+    seeds = [94, 95]
+    urls = {s: f"https://images.test/{s}" for s in seeds}
+    chats: dict[int, list[dict[str, Any]]] = {
+        s: [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": urls[s]}},
+                    {"type": "text", "text": QUESTIONS[0]},
+                ],
+            }
+        ]
+        for s in seeds
+    }
+
+    def send(rows: list[tuple[str, list[dict[str, Any]]]]) -> dict[str, str | None]:
+        """Send chats at once; return each answer's text (None: it failed), checked."""
+        bodies = [
+            (rid, {"model": "llava", "messages": sent, "max_tokens": 6, "temperature": 0}, {})
+            for rid, sent in rows
+        ]
+        replies = serve_rows(service, bodies)
+        out: dict[str, str | None] = {}
+        for rid, sent in rows:
+            status, reply = replies[rid]
+            assert status in (200, 500, 503), (status, reply)
+            text = reply["choices"][0]["message"]["content"] if status == 200 else None
+            if text is not None:
+                pictures = {url: make_image(int(url.rsplit("/", 1)[1])) for url in urls.values()}
+                assert text == reference.chat_answer(sent, pictures, 6), (rid, text)
+            out[rid] = text
+        return out
+
+    def title(s: int) -> list[dict[str, Any]]:
+        """A title side request quoting the chat, as Open WebUI sends between turns."""
+        quoted = "\n".join(str(m["content"]) for m in chats[s] if isinstance(m["content"], str))
+        return [{"role": "user", "content": f"Give this chat a title: {quoted}"}]
+
+    try:
+        with faults_at(engine, plan):
+            for round_ in range(3):
+                answers = send([(f"c{round_}-{s}", chats[s]) for s in seeds])
+                for s in seeds:
+                    text = answers[f"c{round_}-{s}"]
+                    if text is not None:  # else the client sends the same chat again
+                        asked = sum(1 for m in chats[s] if m["role"] == "user")
+                        chats[s] += [
+                            {"role": "assistant", "content": text},
+                            {"role": "user", "content": QUESTIONS[asked]},
+                        ]
+                send([(f"t{round_}-{s}", title(s)) for s in seeds])
+        answers = send([(f"last-{s}", chats[s]) for s in seeds])
+        assert all(text is not None for text in answers.values()), answers
+    finally:
+        service.close()
