@@ -32,6 +32,7 @@ from llava.sessions.store import SessionStore
 GREEDY = GenerationParams(max_new_tokens=8)
 PROMPTS = ["What is this?", "Which colors do you see?", "Is it big?"]
 QUESTIONS = [*PROMPTS, "Where is it?", "Why?"]
+IMAGE_URL = "https://images.test/{}"  # SeededImages loads make_image(seed)
 BUDGET = 5  # tokens per step: every prefill is cut into chunks, image runs included
 
 
@@ -522,13 +523,14 @@ def faults_at(engine: LlavaEngine, plan: dict[str, Any]) -> Iterator[Counter[str
 def test_faults_anywhere_leave_every_session_at_a_turn_it_answered(
     engine: LlavaEngine, reference: Reference, plan: dict[str, Any]
 ) -> None:
-    """Three sessions answer three rounds of questions together, through the service, while
-    faults strike at planned calls of any forward (an error, or an out-of-memory error the
-    service retries), any sampled token, any row copied out of the stacked batch and any copy
-    of a session moving to host memory (a device budget of about two caches keeps moving
-    them). A question that fails gets an error and commits nothing; one that succeeds is the
-    pipeline's answer. Afterwards each session answers its next question as the pipeline does
-    after exactly the questions it answered: none stands between two turns."""
+    """Three sessions open and answer three rounds of questions together, through the
+    service, while faults strike at planned calls of any forward (an error, or an
+    out-of-memory error the service retries), any sampled token, any row copied out of the
+    stacked batch and any copy of a session moving to host memory (a device budget of about
+    two caches keeps moving them). A request that fails gets an error and commits nothing (a
+    failed open is sent again); one that succeeds is the pipeline's answer. Afterwards each
+    session answers its next question as the pipeline does after exactly the questions it
+    answered: none stands between two turns."""
     probe = engine.open_session(make_image(90))
     budget = int(probe.cache_bytes * 2.2)
     engine.release(probe)
@@ -537,15 +539,23 @@ def test_faults_anywhere_leave_every_session_at_a_turn_it_answered(
     )
     service = SessionService(engine, store, SeededImages(), limits=engine.runner.config.limits)
     seeds = [91, 92, 93]
+    sids: dict[int, str] = {}
     try:
-        opens = [
-            (f"o{s}", {"type": "open_session", "image": f"https://images.test/{s}"}, {})
-            for s in seeds
-        ]
-        opened = serve_rows(service, opens)
-        sids = {s: opened[f"o{s}"][1]["session_id"] for s in seeds}
         answered: dict[int, list[tuple[str, str]]] = {s: [] for s in seeds}
         with faults_at(engine, plan) as raised:
+            for attempt in range(10):  # opens, under faults too: a failed one is sent again
+                opens = [
+                    (f"o{attempt}-{s}", {"type": "open_session", "image": IMAGE_URL.format(s)}, {})
+                    for s in seeds
+                    if s not in sids
+                ]
+                opened = serve_rows(service, opens)
+                for (rid, _, _), s in zip(opens, [s for s in seeds if s not in sids], strict=True):
+                    status, reply = opened[rid]
+                    assert status in (200, 500, 503), (status, reply)
+                    if status == 200:
+                        sids[s] = reply["session_id"]
+            assert len(sids) == len(seeds)
             for round_ in range(3):
                 rows = []
                 for s in seeds:
@@ -594,7 +604,7 @@ def test_faults_anywhere_never_change_what_a_chat_sent_whole_is_answered(
     )
     service = SessionService(engine, store, SeededImages(), limits=engine.runner.config.limits)
     seeds = [94, 95]
-    urls = {s: f"https://images.test/{s}" for s in seeds}
+    urls = {s: IMAGE_URL.format(s) for s in seeds}
     chats: dict[int, list[dict[str, Any]]] = {
         s: [
             {
