@@ -9,6 +9,7 @@ twin answers.
 
 from __future__ import annotations
 
+import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -27,6 +28,7 @@ from llava.engine import LlavaEngine, Tier
 from llava.engine.scheduling.scheduler import IDLE_FACTOR
 from llava.server.service import SessionService
 from llava.sessions.memory import TieredMemory
+from llava.sessions.snapshots import SnapshotDir, recover
 from llava.sessions.store import SessionStore
 
 GREEDY = GenerationParams(max_new_tokens=8)
@@ -513,15 +515,15 @@ def faults_at(engine: LlavaEngine, plan: dict[str, Any]) -> Iterator[Counter[str
     derandomize=True,  # the same plans every run: a failure reproduces
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
-@given(plan=st.fixed_dictionaries(FAULT_POINTS))
+@given(plan=st.fixed_dictionaries(FAULT_POINTS), restart=st.booleans())
 # Found by this test. A row's sampling failed, then rolling its answer back unstacked the
 # batch, whose copy failed: the session was lost (now an abandoned row is left behind, no copy).
-@example(plan={"forward": {}, "sample": {2}, "unstack": {0}, "move": set()})
+@example(plan={"forward": {}, "sample": {2}, "unstack": {0}, "move": set()}, restart=False)
 # A finished answer's copy out of the batch failed: its work was already dropped, so its
 # session kept the answer's positions uncommitted and its next answer was wrong.
-@example(plan={"forward": {}, "sample": set(), "unstack": {0, 1}, "move": {0}})
+@example(plan={"forward": {}, "sample": set(), "unstack": {0, 1}, "move": {0}}, restart=False)
 def test_faults_anywhere_leave_every_session_at_a_turn_it_answered(
-    engine: LlavaEngine, reference: Reference, plan: dict[str, Any]
+    engine: LlavaEngine, reference: Reference, plan: dict[str, Any], restart: bool
 ) -> None:
     """Three sessions open and answer three rounds of questions together, through the
     service, while faults strike at planned calls of any forward (an error, or an
@@ -530,14 +532,26 @@ def test_faults_anywhere_leave_every_session_at_a_turn_it_answered(
     two caches keeps moving them). A request that fails gets an error and commits nothing (a
     failed open is sent again); one that succeeds is the pipeline's answer. Afterwards each
     session answers its next question as the pipeline does after exactly the questions it
-    answered: none stands between two turns."""
+    answered: none stands between two turns. With `restart`, the worker dies first and a new
+    one restores every session from its snapshot on disk, which must hold that same turn."""
     probe = engine.open_session(make_image(90))
     budget = int(probe.cache_bytes * 2.2)
     engine.release(probe)
-    store = SessionStore(
-        memory=TieredMemory(engine, budget, None), release=lambda s, r: engine.release(s.state)
-    )
-    service = SessionService(engine, store, SeededImages(), limits=engine.runner.config.limits)
+    folder = tempfile.TemporaryDirectory()
+    snapshots = SnapshotDir(folder.name, 1 << 30)
+
+    def serving() -> tuple[SessionStore, SessionService[Any, Any]]:
+        def release(session: Any, reason: str) -> None:
+            engine.release(session.state)
+            snapshots.remove(session.id)
+
+        store = SessionStore(memory=TieredMemory(engine, budget, None), release=release)
+        limits = engine.runner.config.limits
+        return store, SessionService(
+            engine, store, SeededImages(), limits=limits, snapshots=snapshots
+        )
+
+    store, service = serving()
     seeds = [91, 92, 93]
     sids: dict[int, str] = {}
     try:
@@ -568,6 +582,14 @@ def test_faults_anywhere_leave_every_session_at_a_turn_it_answered(
                     assert status in (200, 500, 503), (status, reply)
                     if status == 200:
                         answered[s].append((body["prompt"], reply["text"]))
+        if restart:  # the worker dies; a new one restores the sessions left open
+            snapshots.flush()
+            for sid in sids.values():
+                engine.release(store.get(sid).state)
+            service.close()
+            store, service = serving()
+            counts = recover(snapshots, engine, store, sids.values())
+            assert counts["restored"] == len(seeds), counts
         for s in seeds:  # faults over: the next question of each
             prompt = QUESTIONS[len(answered[s])]
             body = {"type": "query", "prompt": prompt, "max_new_tokens": 6}
@@ -578,6 +600,8 @@ def test_faults_anywhere_leave_every_session_at_a_turn_it_answered(
             assert said == reference.answers(make_image(s), asked, 6), (s, dict(raised))
     finally:
         service.close()
+        snapshots.close()
+        folder.cleanup()
 
 
 @settings(
