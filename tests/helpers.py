@@ -302,14 +302,17 @@ def serve_rows(service: Any, rows: list[Row], max_steps: int = 2000) -> dict[str
 
 
 class SeededImages:
-    """`https://images.test/<seed>` loads make_image(seed) (on the fetch threads)."""
+    """`https://images.test/<seed>` loads `picture(seed)` (on the fetch threads)."""
+
+    def __init__(self, picture: Callable[[int], Any] | None = None) -> None:
+        self.picture = picture or make_image
 
     @staticmethod
     def decoder(data: Any) -> Any:  # `read` returns the image itself
         return data
 
     def read(self, ref: str) -> Any:
-        return make_image(int(ref.rsplit("/", 1)[1]))
+        return self.picture(int(ref.rsplit("/", 1)[1]))
 
 
 # -- callables for image processes (module-level, so a spawned process can unpickle them) ----

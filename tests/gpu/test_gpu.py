@@ -20,6 +20,7 @@ import torch
 from gpu_setting import Setting
 from helpers import (
     Reference,
+    SeededImages,
     assert_conversation,
     data_uri,
     make_image,
@@ -217,17 +218,6 @@ def test_a_step_allocates_no_more_than_the_budget_reserves(family, gpu: Setting)
         engine.release(state)
 
 
-class Images:
-    """`https://images.test/<i>` loads image(i), on the service's image threads."""
-
-    @staticmethod
-    def decoder(data: Any) -> Any:  # `read` returns the image itself
-        return data
-
-    def read(self, ref: str) -> Any:
-        return image(int(ref.rsplit("/", 1)[1]))
-
-
 def test_a_real_out_of_memory_error_leaves_every_session_intact(family, gpu: Setting) -> None:
     """Fill the GPU but for a sliver, ask a long question: the forward runs out of memory for
     real; the service moves idle sessions to host memory and retries; nothing is corrupted."""
@@ -235,7 +225,7 @@ def test_a_real_out_of_memory_error_leaves_every_session_intact(family, gpu: Set
         pytest.skip("a real CUDA out-of-memory error needs CUDA (test_step_faults injects one)")
     engine, reference = family
     store = SessionStore(memory=TieredMemory(engine, None, None), release=lambda s, r: None)
-    service = SessionService(engine, store, Images(), limits=engine.runner.config.limits)
+    service = SessionService(engine, store, SeededImages(image), limits=engine.runner.config.limits)
     try:
         opens = [
             (f"o{i}", {"type": "open_session", "image": f"https://images.test/{i}"}, {})
