@@ -152,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="where a new local cluster serves its Prometheus metrics, the kit's gauges among "
-        "them (ray_LlavaSessions, ...; default: a port Ray picks)",
+        "them (ray_llava_sessions, ...; default: a port Ray picks)",
     )
     ray.set_defaults(run=_serve_ray)
 

@@ -97,10 +97,12 @@ class Workspace:
         grouped-query heads), its causal mask (one byte per query and key) and, where no fused
         kernel runs, what the math kernel holds."""
         keys = context + tokens
-        repeated = 0
-        if self.kv_heads != self.heads:
-            repeated = 2 * keys * self.heads * self.head_dim * self.element
+        repeated = self.repeated(keys) if self.kv_heads != self.heads else 0
         return self.unfused(tokens, keys, self.heads) + repeated + tokens * keys
+
+    def repeated(self, keys: int) -> int:
+        """Bytes of one layer's `keys` keys and values repeated to every query head."""
+        return 2 * keys * self.heads * self.head_dim * self.element
 
     def unfused(self, queries: int, keys: int, key_heads: int) -> int:
         """Bytes SDPA's math kernel holds beside its inputs for `queries` of every head over
@@ -129,7 +131,7 @@ class Workspace:
             self.decode_repeats_keys or (unpadded and not self.fused)
         ):
             key_heads = self.heads
-            repeated = 2 * keys * self.heads * self.head_dim * self.element
+            repeated = self.repeated(keys)
         return rows * (self.unfused(1, keys, key_heads) + repeated + keys * LOGIT_BYTES)
 
     def stacked_bytes(self, contexts: Sequence[int]) -> int:

@@ -66,7 +66,6 @@ class LlavaReplica:
         )
         self.instance.service.usage_extra["replica"] = self.name
         self.instance.service.usage_extra["node"] = ray.get_runtime_context().get_node_id()[:12]
-        self._stats: dict[str, Any] = {"rank": self.rank, "device_bytes": 0, "sessions": 0}
         self.gauges = Gauges(self.instance)
         self._metrics: dict[str, Any] = {}  # Ray's gauges, by name
         self.loop = StepLoop(self.instance.service, after_step=self._after_step)
@@ -95,18 +94,16 @@ class LlavaReplica:
         Ray calls it on the replica's event loop, which also answers the router's queue-length
         probes: it returns what the step loop last counted and never waits on the sessions'
         lock (measured: waiting on it made probes miss their deadline and requests wait 30 s)."""
-        return dict(self._stats)
+        tiers = self.gauges.tiers.values()  # replaced whole by the loop thread, never changed
+        return {
+            "rank": self.rank,
+            "device_bytes": sum(t["device_bytes"] for t in tiers),
+            "sessions": sum(t["sessions"] for t in tiers),
+        }
 
     def _after_step(self) -> None:
         """Count the load the router reads and publish the gauges that changed (loop thread)."""
         readings = self.gauges.changed()
-        if any(r.dimension[0] == "Tier" for r in readings):  # the tiers were counted anew
-            tiers = self.gauges.tiers.values()
-            self._stats = {
-                "rank": self.rank,
-                "device_bytes": sum(t["device_bytes"] for t in tiers),
-                "sessions": sum(t["sessions"] for t in tiers),
-            }
         try:
             self._publish(readings)
         except Exception:  # metrics must never cost a request its answer
