@@ -18,6 +18,7 @@ from typing import Any
 from llava.api.fields import check_fields, flag_field, number_field, required_text, text_field
 from llava.api.headers import NEW_SESSION, SESSION_HEADER, session_id_from
 from llava.core.errors import InvalidRequest
+from llava.core.ids import is_valid_session_id
 from llava.core.params import GenerationParams, Limits
 
 
@@ -30,6 +31,8 @@ class OpenSession:
     # earlier (question, answer) pairs the session starts with: a conversation carried over
     # from a session that expired or was lost (prefilled with the first question)
     history: tuple[tuple[str, str], ...] = ()
+    # the id of a session to resume from the shared store (its instance went away), kept
+    resume: str | None = None
 
 
 @dataclass(frozen=True)
@@ -83,7 +86,17 @@ Request = OpenSession | Query | CloseSession | Rollback | Generate
 
 
 def _parse_open(obj: Mapping[str, Any], sid: str | None, limits: Limits) -> OpenSession:
-    check_fields(obj, {"image", "system_prompt", "history"})
+    check_fields(obj, {"image", "system_prompt", "history", "resume"})
+    resume = obj.get("resume")
+    if resume is not None:
+        if not isinstance(resume, str) or not is_valid_session_id(resume):
+            raise InvalidRequest('"resume" must be a session id', field="resume")
+        if set(obj) & {"image", "system_prompt", "history"}:
+            raise InvalidRequest(
+                '"resume" carries on a stored session as it was: send no image, system_prompt '
+                "or history with it",
+                field="resume",
+            )
     if sid is not None:
         raise InvalidRequest(
             f'"open_session" starts a new session: send {SESSION_HEADER}: {NEW_SESSION} or none',
@@ -91,7 +104,9 @@ def _parse_open(obj: Mapping[str, Any], sid: str | None, limits: Limits) -> Open
         )
     image = _image(obj, limits)
     system_prompt = text_field(obj, "system_prompt", limits.max_system_prompt_chars, required=False)
-    return OpenSession(image=image, system_prompt=system_prompt, history=_history(obj, limits))
+    return OpenSession(
+        image=image, system_prompt=system_prompt, history=_history(obj, limits), resume=resume
+    )
 
 
 def _image(obj: Mapping[str, Any], limits: Limits) -> str | None:

@@ -74,6 +74,20 @@ class ServerConfig:
     # disk's free space at start; past it the oldest snapshots go.
     snapshot_dir: str = ""
     snapshot_budget_mb: float = 0.0
+    # A shared session store, so a conversation outlives its instance (scale-in, a deployment
+    # update, a lost host): "s3://bucket/prefix" keeps every session's latest snapshot there
+    # (written off the step thread after each open and finished turn) and lets any instance
+    # resume it; "" = off (nothing leaves the instance). An S3-compatible server by its
+    # endpoint URL; SSE-KMS by key id; the secret (best from LLAVA_SESSION_STORE_SECRET) seals
+    # objects so one forged without it is refused.
+    session_store: str = ""
+    session_store_endpoint: str = ""
+    session_store_kms_key: str = ""
+    session_store_secret: str = dataclasses.field(default="", repr=False)  # never logged
+    session_store_max_pending: int = 256  # sessions whose write may wait; past it the oldest go
+    # On SIGTERM (scale-in, a deployment update): refuse new sessions, let answers in flight
+    # finish for at most this long, then write every session's latest state to the store.
+    drain_grace_s: float = 30.0
     # Requests
     max_body_bytes: int = 6 * 1024 * 1024
     max_prompt_chars: int = 16_000
@@ -114,6 +128,11 @@ class ServerConfig:
                 raise ValueError(f"{f.name} must be a finite number, got {value}")
             if value < 0 or (value == 0 and f.name not in _ZERO_ALLOWED):
                 raise ValueError(f"{f.name} must be positive, got {value}")
+        if self.session_store and not self.session_store.startswith("s3://"):
+            raise ValueError(
+                f"session_store {self.session_store!r}: use s3://bucket/prefix, or leave it "
+                "empty to keep sessions on the instance only"
+            )
         if not 1 <= self.default_max_new_tokens <= self.max_new_tokens:
             raise ValueError("default_max_new_tokens must be between 1 and max_new_tokens")
 

@@ -15,6 +15,7 @@
     │   ├── SessionLost (400 session_lost)
     │   └── SessionBusy (409 session_busy)
     ├── CapacityExceeded (429 capacity_exceeded)
+    ├── Draining (503 draining)
     └── Cancelled (499 cancelled)
 
 The handler answers each request with `error.to_body()` and `error.status`; anything that is
@@ -115,6 +116,16 @@ class OutOfDeviceMemory(KitError):
     status, code = 503, "out_of_device_memory"
 
     def __init__(self, message: str, *, retry_after_s: int = 2, **details: Any) -> None:
+        super().__init__(message, retry_after_s=retry_after_s, **details)
+        self.retry_after_s = retry_after_s
+
+
+class Draining(KitError):
+    """The instance is shutting down (scale-in, an update): it takes no new sessions."""
+
+    status, code = 503, "draining"
+
+    def __init__(self, message: str, *, retry_after_s: int = 1, **details: Any) -> None:
         super().__init__(message, retry_after_s=retry_after_s, **details)
         self.retry_after_s = retry_after_s
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from llava.core.config import ServerConfig
 from llava.server.service import SessionService
+from llava.sessions.registry import safe_name
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +27,19 @@ class Instance:
     service: SessionService[Any, Any]
     memory: Any  # the TieredMemory: sessions and bytes per tier, for metrics and routing
     decoder: Any  # the engine's decoder: answers decoded outside a batch, for metrics
+    snapshots: Any = None  # the local SnapshotDir, if snapshots are on
+    shared: Any = None  # the SharedStore, if a shared session store is configured
+
+    def drain(self, grace_s: float) -> dict[str, Any]:
+        """Stop taking sessions, let answers finish, flush every session's latest state."""
+        from llava.server.draining import drain
+
+        def flush(timeout_s: float) -> bool:
+            if self.snapshots is not None:
+                self.snapshots.flush()
+            return self.shared is None or bool(self.shared.flush(timeout_s))
+
+        return drain(self.service, grace_s, flush=flush)
 
 
 def open_registry(name: str, directory: str | None = None) -> tuple[Any, list[str]]:
@@ -66,6 +80,27 @@ def open_snapshots(config: ServerConfig, name: str) -> Any:
         return None
 
 
+def open_shared_store(config: ServerConfig, name: str) -> Any:
+    """Connect the shared session store, or None when none is configured."""
+    if not config.session_store:
+        return None
+    from llava.sessions.objects import S3Objects, StoreLocation
+    from llava.sessions.shared import SharedStore
+
+    location = StoreLocation.parse(config.session_store).under(safe_name(name))
+    objects = S3Objects.connect(
+        location.bucket,
+        endpoint_url=config.session_store_endpoint,
+        kms_key_id=config.session_store_kms_key,
+    )
+    return SharedStore(
+        objects,
+        location,
+        secret=config.session_store_secret,
+        max_pending=config.session_store_max_pending,
+    )
+
+
 def assemble(
     model_dir: Path,
     config: ServerConfig,
@@ -104,11 +139,14 @@ def assemble(
     registry, left_open = open_registry(name, registry_dir)
     # Snapshots need the registry: it alone tells which sessions an earlier worker left open.
     snapshots = open_snapshots(config, name) if registry is not None else None
+    shared = open_shared_store(config, model_name)
 
     def release(session: Session, reason: str) -> None:
         engine.release(session.state)
         if snapshots is not None:
             snapshots.remove(session.id)
+        if shared is not None:
+            shared.remove(session.id, reason)
 
     store = SessionStore(
         ttl_s=config.session_ttl_s,
@@ -142,11 +180,12 @@ def assemble(
         fetch_threads=config.image_fetch_threads,
         image_processes=config.image_processes,
         snapshots=snapshots,
+        shared=shared,
         model_name=model_name,
         whole_answer_s=config.whole_answer_s or None,
     )
     service.start_image_processes()
-    return Instance(service, memory, llava_engine.runner.decoder)
+    return Instance(service, memory, llava_engine.runner.decoder, snapshots, shared)
 
 
 def freeze_startup_objects() -> None:

@@ -1,8 +1,8 @@
 """What a serving instance publishes as gauges, read after a step for whichever front publishes
 them (TorchServe's metrics, Ray's): its sessions and their bytes per memory tier, its snapshots
-on disk, and the answer steps decoded outside the stacked batch (no room for them, or the
-stacked forward failed). Only readings that changed since the last read come back, and the
-sessions' caches are walked only when the session store changed.
+on disk and in the shared store (writes, failures, lag), and the answer steps decoded outside
+the stacked batch (no room for them, or the stacked forward failed). Only readings that changed
+since the last read come back, and the sessions' caches are walked only when the store changed.
 """
 
 from __future__ import annotations
@@ -17,6 +17,10 @@ DESCRIPTIONS = {
     "LlavaSnapshots": "Session snapshots on disk",
     "LlavaSnapshotBytes": "Bytes of session snapshots on disk",
     "LlavaDecodedAlone": "Answer steps decoded outside the stacked batch, by reason",
+    "LlavaStoreWrites": "Session states written to the shared store, by outcome",
+    "LlavaStorePending": "Session states waiting to be written to the shared store",
+    "LlavaStoreLagMs": "Age of the oldest state waiting to be written to the shared store",
+    "LlavaStoreResumes": "Sessions resumed from the shared store",
 }
 
 
@@ -44,6 +48,7 @@ class Gauges:
             instance.memory,
             instance.decoder,
         )
+        self.snapshots, self.shared = instance.snapshots, instance.shared
         self._store_version: int | None = None
         self._last: dict[tuple[str, tuple[str, str]], int] = {}
         # sessions and bytes per tier, as last counted (a router reads the load off them)
@@ -51,7 +56,7 @@ class Gauges:
 
     def changed(self) -> list[Reading]:
         """Return the readings whose value changed since the last call (all of them, first)."""
-        readings = [*self._decoded_alone(), *self._snapshots()]
+        readings = [*self._decoded_alone(), *self._snapshots(), *self._shared()]
         store = self.service.store
         if store.version != self._store_version:  # else: skip walking every cache
             self._store_version = store.version
@@ -74,8 +79,24 @@ class Gauges:
             ]
         return out
 
+    def _shared(self) -> list[Reading]:
+        if self.shared is None:
+            return []
+        stats = self.shared.stats()
+        store = ("Store", "shared")
+        return [
+            Reading("LlavaSnapshots", int(stats["writes"] - stats["deletes"]), "count", store),
+            Reading("LlavaSnapshotBytes", int(stats["bytes"]), "B", store),
+            Reading("LlavaStoreWrites", int(stats["writes"]), "count", ("Outcome", "written")),
+            Reading("LlavaStoreWrites", int(stats["failures"]), "count", ("Outcome", "failed")),
+            Reading("LlavaStoreWrites", int(stats["dropped"]), "count", ("Outcome", "dropped")),
+            Reading("LlavaStorePending", int(stats["pending"]), "count", store),
+            Reading("LlavaStoreLagMs", int(stats["lag_s"] * 1000), "ms", store),
+            Reading("LlavaStoreResumes", int(stats["resumes"]), "count", store),
+        ]
+
     def _snapshots(self) -> list[Reading]:
-        snapshots = self.service.snapshots
+        snapshots = self.snapshots
         if snapshots is None:
             return []
         stats = snapshots.stats()

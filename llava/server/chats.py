@@ -76,6 +76,23 @@ class ChatDesk(Generic[StateT, TurnT]):
         turn = self.engine.start_chat(session.state, request.chat, request.params)
         return Answering(session, turn, request.stream, replies, headers=headers or {})
 
+    def answer_opened(
+        self,
+        opened: Session,
+        request: ChatCompletion,
+        replies: Replies | None,
+        headers: dict[str, str],
+    ) -> Answering[TurnT] | Reply:
+        """Answer a chat completion sent with NEW_SESSION in the session just opened for it."""
+        session = self.store.begin_turn(opened.id)
+        assert replies is not None
+        try:
+            return self.answer(session, request, replies, headers)
+        except BaseException as exc:  # the client never learns the id: close the session
+            self.store.end_turn(session)
+            self.store.close(session.id)
+            return error_reply(as_kit_error(exc))
+
     def arrived(self, work: Fetching) -> Fetching | Answering[TurnT] | Reply:
         """Answer a header-less chat whose image is read: in a held session, a fork of one, or
         a new state that is kept once answered."""

@@ -4,6 +4,7 @@ session (its image encoded and prefilled over several steps), or answering."""
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Generic
@@ -14,6 +15,15 @@ from llava.api.session_api import Generate, OpenSession, Query
 from llava.core.errors import KitError
 from llava.server.contract import StateT, TurnT
 from llava.sessions.session import Session, Slot
+
+
+@dataclass(frozen=True)
+class Incoming:
+    """One request as seen in one step: its id, its body (first step only) and its headers."""
+
+    request_id: str
+    body: Any
+    headers: Mapping[str, Any]
 
 
 @dataclass(eq=False)

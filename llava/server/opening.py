@@ -15,6 +15,7 @@ from typing import Generic
 from llava.api.headers import NEW_SESSION_HEADER, SESSION_HEADER, expires_header, iso_utc
 from llava.api.openai import ChatCompletion, chat_info, image_key
 from llava.api.replies import (
+    KitReplies,
     Replies,
     Reply,
     as_kit_error,
@@ -22,10 +23,10 @@ from llava.api.replies import (
     internal_error,
     json_reply,
 )
-from llava.api.session_api import OpenSession
+from llava.api.session_api import Generate, OpenSession
 from llava.images.background import BackgroundImages
 from llava.server.contract import Engine, StateT, TurnT
-from llava.server.inflight import Fetching, Opening
+from llava.server.inflight import Answering, Fetching, Opening
 from llava.sessions.session import Session, Slot
 from llava.sessions.store import SessionStore
 
@@ -90,6 +91,22 @@ class SessionOpener(Generic[StateT, TurnT]):
             self.engine.abort_turn(work.turn)
         finally:
             self._cancel(work.slot, work.state)
+
+    def one_shot(self, work: Fetching) -> Answering[TurnT]:
+        """Turn a one-shot generate whose image arrived into an answer with a transient state."""
+        request = work.request
+        assert isinstance(request, Generate)
+        prepared, _ = work.image.result()
+        state = self.engine.new_session(prepared, request.system_prompt)
+        try:
+            self.engine.replay(state, list(request.history))
+            turn = self.engine.start_turn(state, request.prompt, request.params)
+        except BaseException:
+            self.engine.release(state)
+            raise
+        session = Session("", state, 0, 0.0, busy=True)
+        replies = work.replies or KitReplies(None)
+        return Answering(session, turn, request.stream, replies, transient=True)
 
     def opened_reply(self, session: Session) -> Reply:
         """The reply to `open_session`: the id and expiry, in the body and the headers."""

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
 from concurrent.futures import FIRST_COMPLETED, wait
-from dataclasses import dataclass
 from typing import Any, Generic
 
 from llava.api.dispatch import parse_request
@@ -29,7 +27,6 @@ from llava.api.headers import CLOSED_SESSION_HEADER
 from llava.api.openai import ChatCompletion, ListModels, models_body
 from llava.api.replies import (
     KitReplies,
-    Replies,
     Reply,
     as_kit_error,
     error_reply,
@@ -42,10 +39,14 @@ from llava.core.params import Limits
 from llava.images.background import BackgroundImages, ImageSource
 from llava.server.chats import ChatDesk
 from llava.server.contract import Engine, StateT, TurnT
-from llava.server.inflight import Answering, Fetching, Opening
+from llava.server.draining import refuse_if_draining, session_of, stopped_replies
+from llava.server.inflight import Answering, Fetching, Incoming, Opening
+from llava.server.keeping import Keeper
 from llava.server.opening import SessionOpener
 from llava.server.out_of_memory import step_with_retry
+from llava.server.resuming import Resuming, SessionResumer, resumed_usage
 from llava.sessions.session import LOST, Session
+from llava.sessions.shared import SharedStore
 from llava.sessions.snapshots import SnapshotDir
 from llava.sessions.store import SessionStore
 
@@ -56,13 +57,7 @@ log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.02
 
 
-@dataclass(frozen=True)
-class Incoming:
-    """One request as seen in one step: its id, its body (first step only) and its headers."""
-
-    request_id: str
-    body: Any
-    headers: Mapping[str, Any]
+_Work = Fetching | Resuming | Opening[Any, Any] | Answering[Any]
 
 
 class SessionService(Generic[StateT, TurnT]):
@@ -78,6 +73,7 @@ class SessionService(Generic[StateT, TurnT]):
         fetch_threads: int = 16,
         image_processes: int = 0,
         snapshots: SnapshotDir | None = None,
+        shared: SharedStore | None = None,
         model_name: str = "llava",
         whole_answer_s: float | None = None,
     ) -> None:
@@ -88,14 +84,17 @@ class SessionService(Generic[StateT, TurnT]):
         self.store = store
         self.images = images
         self.limits = limits
-        self.snapshots = snapshots
+        self.keeper = Keeper(engine, store, snapshots, shared)
+        self.resumer = SessionResumer(engine, store, shared) if shared is not None else None
+        self.draining = False  # shutting down: no new sessions
+        self.stopping = False  # past the drain's grace: nothing new, answers ended
         self.usage_extra: dict[str, Any] = {}  # a front's own figures, e.g. which replica
         self._images = BackgroundImages(
             images, engine.image_preparer(), threads=fetch_threads, processes=image_processes
         )
         self.opener: SessionOpener[StateT, TurnT] = SessionOpener(engine, store, self._images)
         self.chats = ChatDesk(engine, store, self.opener, self._images)
-        self._work: dict[str, Fetching | Opening[StateT, TurnT] | Answering[TurnT]] = {}
+        self._work: dict[str, _Work] = {}
 
     def start_image_processes(self) -> None:
         """Start the image processes now, so the first images do not wait for them."""
@@ -110,6 +109,11 @@ class SessionService(Generic[StateT, TurnT]):
     def in_flight(self) -> int:
         return len(self._work)
 
+    @property
+    def answering(self) -> int:
+        """Answers and opens being computed (what a drain lets finish)."""
+        return sum(not isinstance(w, (Fetching, Resuming)) for w in list(self._work.values()))
+
     def step(self, batch: list[Incoming]) -> list[Reply | None]:
         """Advance every request of the batch by one step; never raises."""
         present = {item.request_id for item in batch}
@@ -123,10 +127,13 @@ class SessionService(Generic[StateT, TurnT]):
                     replies[item.request_id] = reply
         self._wait_if_idle(replies)
         for request_id, work in list(self._work.items()):
+            reply = None
             if isinstance(work, Fetching) and work.image.done():
                 reply = self._image_arrived(request_id, work)
-                if reply is not None:
-                    replies[request_id] = reply
+            elif isinstance(work, Resuming) and work.data.done():
+                reply = self._resumed(request_id, work)
+            if reply is not None:
+                replies[request_id] = reply
         replies.update(self._advance_answers())
         return [replies.get(item.request_id) for item in batch]
 
@@ -143,16 +150,21 @@ class SessionService(Generic[StateT, TurnT]):
         request = parse_request(item.body, item.headers, self.limits)
         if isinstance(request, ListModels):
             return json_reply(models_body(self.model_name, self.started))
+        refuse_if_draining(request, self.draining, self.stopping)
+        sid = session_of(request)
+        if self.resumer is not None and self.resumer.wanted(sid):
+            assert sid is not None
+            explicit = isinstance(request, OpenSession)
+            return self._put(item.request_id, self.resumer.begin(sid, item, explicit=explicit))
+        if isinstance(request, OpenSession) and request.resume is not None:  # held here
+            return self.opener.opened_reply(self.store.get(request.resume))
         if isinstance(request, ChatCompletion):
-            self._work[item.request_id] = self.chats.admit(request)
-            return None
+            return self._put(item.request_id, self.chats.admit(request))
         if isinstance(request, Generate):
             image = self._images.submit_all([request.image] if request.image else [])
-            self._work[item.request_id] = Fetching(request, image)
-            return None
+            return self._put(item.request_id, Fetching(request, image))
         if isinstance(request, OpenSession):
-            self._work[item.request_id] = self.opener.fetch(request, None)
-            return None
+            return self._put(item.request_id, self.opener.fetch(request, None))
         if isinstance(request, Query):
             session = self.store.begin_turn(request.session_id)
             try:
@@ -173,21 +185,36 @@ class SessionService(Generic[StateT, TurnT]):
         body = {"session_id": session.id, "closed": True, "success": True}
         return json_reply(body, {CLOSED_SESSION_HEADER: session.id})
 
+    def _resumed(self, request_id: str, work: Resuming) -> Reply | None:
+        """A session's stored state is read: restore it, then admit its request."""
+        del self._work[request_id]
+        try:
+            session = self.resumer.finish(work)  # type: ignore[union-attr]
+        except Exception as exc:
+            return error_reply(as_kit_error(exc))
+        if work.explicit:
+            return self.opener.opened_reply(session)
+        return self._guard(self._admit, work.item)
+
     def _rollback(self, request: Rollback) -> Reply:
         """Undo a session's last question and answer (a regenerate then reuses its cache)."""
         session = self.store.begin_turn(request.session_id)
         try:
             turns = self.engine.rollback(session.state)
-            self._keep(session)
+            self.keeper.keep(session)
         finally:
             self.store.end_turn(session, self._nbytes(session))
         body = {"session_id": session.id, "rolled_back": True, "turns": turns}
         return json_reply(body)
 
     def _wait_if_idle(self, replies: dict[str, Reply]) -> None:
-        if replies or any(not isinstance(w, Fetching) for w in self._work.values()):
+        if replies or self.answering:
             return
-        pending = [w.image for w in self._work.values() if isinstance(w, Fetching)]
+        pending = [
+            w.image if isinstance(w, Fetching) else w.data
+            for w in self._work.values()
+            if isinstance(w, (Fetching, Resuming))
+        ]
         if pending:
             wait(pending, timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
 
@@ -205,9 +232,9 @@ class SessionService(Generic[StateT, TurnT]):
         del self._work[request_id]
         request = work.request
         if isinstance(request, Generate):
-            return self._guard(lambda _: self._start_generate(request_id, work), None)
+            return self._guard(lambda _: self._start_one_shot(request_id, work), None)
         if isinstance(request, ChatCompletion) and work.slot is None:  # no session header
-            return self._guard(lambda _: self._chat_arrived(request_id, work), None)
+            return self._guard(lambda _: self._put(request_id, self.chats.arrived(work)), None)
         if isinstance(request, Query):
             assert work.session is not None  # a query always holds its session
             session = work.session
@@ -223,51 +250,27 @@ class SessionService(Generic[StateT, TurnT]):
         self._work[request_id] = opening
         return None
 
-    def _answer_new_chat(
-        self, request_id: str, request: ChatCompletion, opened: Session, replies: Replies | None
-    ) -> Reply | None:
-        """Answer a chat completion sent with NEW_SESSION in the session just opened for it."""
-        session = self.store.begin_turn(opened.id)
-        headers = self.opener.headers(opened)
-        assert replies is not None
-        try:
-            self._work[request_id] = self.chats.answer(session, request, replies, headers)
-        except BaseException as exc:  # the client never learns the id: close the session
-            self.store.end_turn(session)
-            self.store.close(session.id)
-            return error_reply(as_kit_error(exc))
-        return None
+    def _start_one_shot(self, request_id: str, work: Fetching) -> None:
+        self._work[request_id] = self.opener.one_shot(work)
 
-    def _chat_arrived(self, request_id: str, work: Fetching) -> Reply | None:
-        """A header-less chat's image is read: answer it with what the instance holds."""
-        outcome = self.chats.arrived(work)
+    def _put(self, request_id: str, outcome: Reply | _Work) -> Reply | None:
+        """Keep a request's next stage as its work, or return its reply."""
         if isinstance(outcome, Reply):
             return outcome
         self._work[request_id] = outcome
         return None
 
-    def _start_generate(self, request_id: str, work: Fetching) -> None:
-        """Turn a one-shot generate whose image arrived into an answer with a transient state."""
-        request = work.request
-        assert isinstance(request, Generate)
-        prepared, _ = work.image.result()
-        state = self.engine.new_session(prepared, request.system_prompt)
-        try:
-            self.engine.replay(state, list(request.history))
-            turn = self.engine.start_turn(state, request.prompt, request.params)
-        except BaseException:
-            self.engine.release(state)
-            raise
-        session = Session("", state, 0, 0.0, busy=True)
-        replies = work.replies or KitReplies(None)
-        self._work[request_id] = Answering(session, turn, request.stream, replies, transient=True)
-
     # -- answering -------------------------------------------------------------------------
     def _advance_answers(self) -> dict[str, Reply]:
         """Run one engine step over every open and answer; reply to those it finished."""
-        running = [(r, w) for r, w in self._work.items() if not isinstance(w, Fetching)]
+        running = [(r, w) for r, w in self._work.items() if not isinstance(w, (Fetching, Resuming))]
         if not running:
             return {}
+        if self.stopping:  # the drain's grace is over: end what is left, rolled back
+            stopped = stopped_replies(running)
+            for request_id in stopped:
+                self._discard(request_id)
+            return stopped
         now = time.monotonic()
         for _, work in running:  # end overdue whole answers with the text they have
             if isinstance(work, Answering) and work.overdue(self.whole_answer_s, now):
@@ -306,9 +309,12 @@ class SessionService(Generic[StateT, TurnT]):
         session = self.opener.finish(work)
         if isinstance(session, Reply):
             return session
-        self._keep(session)
+        self.keeper.keep(session)
         if isinstance(work.request, ChatCompletion):
-            return self._answer_new_chat(request_id, work.request, session, work.replies)
+            headers = self.opener.headers(session)
+            return self._put(
+                request_id, self.chats.answer_opened(session, work.request, work.replies, headers)
+            )
         return self.opener.opened_reply(session)
 
     def _finish_answer(self, request_id: str, work: Answering) -> Reply:
@@ -317,29 +323,17 @@ class SessionService(Generic[StateT, TurnT]):
         except Exception as exc:  # not committed (a copy out of the stacked batch failed):
             return self._fail_answer(request_id, work, exc)  # rolled back to its last turn
         del self._work[request_id]
-        more = dict(self.usage_extra)
+        more = {**self.usage_extra, **resumed_usage(work.session)}
         try:
             if not work.transient:
-                self._keep(work.session)
+                self.keeper.keep(work.session)
             elif self.chats.adopt(work):
                 return work.finished(**more)
         finally:
             self._end_turn(work)
-        if self.snapshots is not None and not work.transient:
-            more["snapshot_bytes"] = self.snapshots.size_of(work.session.id)
+        if self.keeper.enabled and not work.transient:
+            more["snapshot_bytes"] = self.keeper.size_of(work.session.id)
         return work.finished(**more)
-
-    def _keep(self, session: Session) -> None:
-        """Queue a snapshot of a session at its last finished turn (written off this thread)."""
-        if self.snapshots is None or session.closing:
-            return
-        try:
-            extra = {"info": session.info, "expires_at": self.store.expires_at(session)}
-            produce = self.engine.snapshot(session.state, extra)
-            if produce is not None:
-                self.snapshots.save(session.id, produce)
-        except Exception:  # a missing snapshot costs a restart's recovery, never this answer
-            log.exception("could not snapshot session %s", session.id)
 
     def _end_turn(self, work: Answering) -> None:
         if work.transient:
@@ -379,6 +373,9 @@ class SessionService(Generic[StateT, TurnT]):
             elif isinstance(work, Opening):
                 del self._work[request_id]
                 self.opener.abort(work)
+            elif isinstance(work, Resuming):
+                del self._work[request_id]
+                work.data.cancel()
             elif isinstance(work, Fetching):
                 del self._work[request_id]
                 work.image.cancel()

@@ -180,6 +180,11 @@ class SessionStore:
             session = self._sessions.get(sid)
             return None if session is None or session.closing else session
 
+    def ended(self, sid: str) -> str | None:
+        """Return why `sid` ended here (closed, expired, evicted, lost), or None."""
+        with self._lock:
+            return None if sid in self._sessions else self._ended.get(sid)
+
     def begin_turn(self, sid: str) -> Session:
         """Mark a session busy for one answer; a second concurrent answer gets 409."""
         with self._lock:

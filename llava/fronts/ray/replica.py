@@ -128,10 +128,13 @@ class LlavaReplica:
             raise RuntimeError(f"replica {self.name}: the step loop is not running")
 
     def __del__(self) -> None:
-        """Graceful shutdown: stop stepping and flush the snapshots queued so far."""
+        """Graceful shutdown (Ray has let the requests in flight finish): take nothing new,
+        flush every session's latest state to the shared store and to disk, stop stepping."""
         loop = getattr(self, "loop", None)
         if loop is not None:
+            self.instance.drain(0.0)
             loop.stop()
             self.instance.service.close()
-            if self.instance.service.snapshots is not None:
-                self.instance.service.snapshots.close()
+            for store in (self.instance.snapshots, self.instance.shared):
+                if store is not None:
+                    store.close()

@@ -13,7 +13,9 @@ A worker records the session ids it issues in a per-model registry file
 (`llava.sessions.registry`) and snapshots each session's conversation and image features to
 local disk (`llava.sessions.snapshots`). A worker started after one died restores the sessions
 it left open from their snapshots (their next turn recomputes the prefix); those without one
-answer 400 `session_lost`.
+answer 400 `session_lost`. With a shared session store (`session_store`), every session's
+latest state is also kept there and any instance resumes it; on SIGTERM the worker drains
+(`stopping.py`) and flushes the store before it exits.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 from llava.api.replies import Reply, error_reply, internal_error
 from llava.core.config import ServerConfig
 from llava.fronts.gauges import Gauges
+from llava.fronts.torchserve.stopping import on_sigterm
 from llava.server.service import Incoming, SessionService
 
 log = logging.getLogger(__name__)
@@ -80,6 +83,7 @@ class SessionHandler:
             model_dir, config, model_name=str(getattr(context, "model_name", None) or "llava")
         )
         self.service, self.gauges = instance.service, Gauges(instance)
+        on_sigterm(lambda: instance.drain(config.drain_grace_s))
         freeze_startup_objects()
         log.info("llava handler ready: %s", config)
 

@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 
 from llava.core.paths import CHECKOUT
+from llava.fronts.torchserve.stopping import drain_workers
 
 ROOT = CHECKOUT
 
@@ -151,8 +152,19 @@ class TorchServe:
             + self.log_tail()
         )
 
-    def stop(self) -> None:
-        """Stop TorchServe (same TMPDIR as start, so it finds its pid file)."""
+    def frontend_pid(self) -> int | None:
+        """Return the frontend's pid from its pid file, None when it is not running."""
+        try:
+            return int((self.workdir / ".model_server.pid").read_text().strip())
+        except (OSError, ValueError):
+            return None
+
+    def stop(self, *, drain_s: float = 0.0) -> None:
+        """Stop TorchServe (same TMPDIR as start, so it finds its pid file); with `drain_s`,
+        its worker first drains and flushes its sessions (as on SIGTERM in the image)."""
+        pid = self.frontend_pid()
+        if drain_s and pid is not None:
+            drain_workers(pid, drain_s)
         torchserve = shutil.which("torchserve", path=str(self._bin)) or "torchserve"
         subprocess.run(
             [torchserve, "--stop"],

@@ -1,0 +1,158 @@
+"""Stop a TorchServe instance without losing a finished turn: drain its worker, then the frontend.
+
+TorchServe's frontend ends its workers with `destroyForcibly` (SIGKILL) when it is stopped, so
+a worker left to it would never flush what it holds. The order here:
+1. the worker gets SIGTERM: it drains (no new sessions, answers in flight finish within the
+   grace, every session's latest state is flushed to the shared store) and exits;
+2. then the frontend is stopped.
+
+`python -m llava.fronts.torchserve.stopping -- torchserve --start --foreground ...` runs a
+TorchServe under a supervisor that does this on SIGTERM (the container's entry point: SageMaker
+sends SIGTERM on scale-in and updates, then SIGKILL after its grace); the launcher's
+`TorchServe.stop(drain=True)` does the same for a TorchServe it started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+WORKER_MARK = "model_service_worker"
+FRONTEND_MARK = "org.pytorch.serve.ModelServer"
+
+
+def on_sigterm(drain: Callable[[], Any]) -> bool:
+    """In a worker: on SIGTERM run `drain` on a thread of its own, then exit the process.
+
+    Returns False where no handler can be installed (not the main thread)."""
+
+    def handler(signum: int, frame: Any) -> None:
+        def run() -> None:
+            try:
+                drain()
+            except Exception:
+                log.exception("draining failed; exiting with what was flushed")
+            finally:
+                logging.shutdown()
+                os._exit(0)
+
+        threading.Thread(target=run, name="llava-drain", daemon=True).start()
+
+    try:
+        signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: TorchServe's SIGKILL is all there is
+        return False
+    return True
+
+
+def descendants(pid: int) -> list[tuple[int, str]]:
+    """Return the processes below `pid` with their command lines (Linux's /proc)."""
+    parents: dict[int, int] = {}
+    commands: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+            commands[int(entry.name)] = (
+                (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            )
+        except (OSError, ValueError, IndexError):
+            continue  # it exited meanwhile
+    found: list[tuple[int, str]] = []
+    frontier = [pid]
+    while frontier:
+        parent = frontier.pop()
+        for child, ppid in parents.items():
+            if ppid == parent:
+                found.append((child, commands.get(child, "")))
+                frontier.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie has exited: it only waits for its parent
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def drain_workers(frontend_pid: int, timeout_s: float) -> list[int]:
+    """SIGTERM every TorchServe worker below `frontend_pid`; wait until they have exited (at
+    most `timeout_s`); return those that had not."""
+    workers = [pid for pid, command in descendants(frontend_pid) if WORKER_MARK in command]
+    for pid in workers:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    log.info("draining %d worker(s): %s", len(workers), workers)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(alive(pid) for pid in workers):
+        time.sleep(0.1)
+    return [pid for pid in workers if alive(pid)]
+
+
+def supervise(command: list[str], timeout_s: float) -> int:
+    """Run TorchServe in the foreground; on SIGTERM drain its workers, then stop it."""
+    child = subprocess.Popen(command)
+    stopping = threading.Event()
+
+    def stop(signum: int, frame: Any) -> None:
+        stopping.set()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    while child.poll() is None and not stopping.wait(0.5):
+        pass
+    if child.poll() is None:
+        left = drain_workers(child.pid, timeout_s)
+        if left:
+            log.warning("workers %s did not drain in %.0f s", left, timeout_s)
+        for pid, command_line in descendants(child.pid):
+            if FRONTEND_MARK in command_line:
+                os.kill(pid, signal.SIGTERM)
+        child.terminate()
+        try:
+            child.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            child.kill()
+    return child.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=float(os.environ.get("LLAVA_DRAIN_TIMEOUT_S", "90")),
+        help="seconds the workers may take to drain (the grace plus the store's flush)",
+    )
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- torchserve ... --foreground")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("give the TorchServe command after --")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    return supervise(command, args.timeout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""Where a shared session store keeps its objects: S3 or any S3-compatible API, by boto3.
+
+One small interface (`ObjectStore`) between the store's queue and the bytes' home, so the queue
+is tested against a real S3 API server and nothing in it knows boto3's shapes.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+_URI = re.compile(r"s3://([a-z0-9][a-z0-9.-]{1,61}[a-z0-9])(?:/(.*))?")
+
+
+class ObjectStore(Protocol):
+    """Put, get, look up and delete whole objects by key."""
+
+    def put(self, key: str, data: bytes) -> str:
+        """Write an object; return its ETag."""
+        ...
+
+    def get(self, key: str, max_bytes: int) -> bytes | None:
+        """Return an object's bytes, None if there is none; ValueError past `max_bytes`."""
+        ...
+
+    def etag(self, key: str) -> str | None:
+        """Return an object's ETag, None if there is none."""
+        ...
+
+    def delete(self, key: str) -> None:
+        """Delete an object (no error if there is none)."""
+        ...
+
+
+@dataclass(frozen=True)
+class StoreLocation:
+    """A bucket and a key prefix, parsed from `s3://bucket/prefix`."""
+
+    bucket: str
+    prefix: str
+
+    @classmethod
+    def parse(cls, uri: str) -> StoreLocation:
+        """Parse `s3://bucket[/prefix]`, or say what a valid one looks like."""
+        match = _URI.fullmatch(uri.strip())
+        if match is None:
+            raise ValueError(
+                f"session_store {uri!r} is not an S3 location: use s3://bucket/prefix "
+                '(or "" to keep sessions on the instance only)'
+            )
+        return cls(match.group(1), (match.group(2) or "").strip("/"))
+
+    def under(self, name: str) -> StoreLocation:
+        """Return the location of one model's sessions below this one."""
+        return StoreLocation(self.bucket, f"{self.prefix}/{name}".strip("/"))
+
+    def key(self, sid: str) -> str:
+        return f"{self.prefix}/{sid}.snap" if self.prefix else f"{sid}.snap"
+
+    @property
+    def uri(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}".rstrip("/")
+
+
+class S3Objects:
+    """An `ObjectStore` over one bucket, with optional SSE-KMS for every object written."""
+
+    def __init__(self, client: Any, bucket: str, kms_key_id: str = "") -> None:
+        self.client = client
+        self.bucket = bucket
+        self.kms_key_id = kms_key_id
+
+    @classmethod
+    def connect(
+        cls, bucket: str, *, endpoint_url: str = "", kms_key_id: str = "", timeout_s: float = 10
+    ) -> S3Objects:
+        """Build a boto3 client (the instance role's credentials, or the environment's)."""
+        import boto3
+        from botocore.config import Config
+
+        config = Config(
+            connect_timeout=timeout_s,
+            read_timeout=timeout_s * 3,
+            retries={"max_attempts": 3, "mode": "standard"},
+        )
+        client = boto3.client("s3", endpoint_url=endpoint_url or None, config=config)
+        return cls(client, bucket, kms_key_id)
+
+    def put(self, key: str, data: bytes) -> str:
+        extra: dict[str, str] = {}
+        if self.kms_key_id:
+            extra = {"ServerSideEncryption": "aws:kms", "SSEKMSKeyId": self.kms_key_id}
+        out = self.client.put_object(
+            Bucket=self.bucket,
+            Key=key,
+            Body=data,
+            ContentType="application/octet-stream",
+            **extra,
+        )
+        return str(out.get("ETag", ""))
+
+    def get(self, key: str, max_bytes: int) -> bytes | None:
+        try:
+            out = self.client.get_object(Bucket=self.bucket, Key=key)
+        except Exception as exc:
+            if _missing(exc):
+                return None
+            raise
+        body = out["Body"]
+        try:
+            if int(out.get("ContentLength") or 0) > max_bytes:
+                raise ValueError(f"{key} is over {max_bytes} bytes")
+            data = body.read(max_bytes + 1)
+        finally:
+            body.close()
+        if len(data) > max_bytes:
+            raise ValueError(f"{key} is over {max_bytes} bytes")
+        return bytes(data)
+
+    def etag(self, key: str) -> str | None:
+        try:
+            out = self.client.head_object(Bucket=self.bucket, Key=key)
+        except Exception as exc:
+            if _missing(exc):
+                return None
+            raise
+        return str(out.get("ETag", ""))
+
+    def delete(self, key: str) -> None:
+        self.client.delete_object(Bucket=self.bucket, Key=key)
+
+
+def _missing(exc: Exception) -> bool:
+    """Whether a botocore error says the object is not there."""
+    response = getattr(exc, "response", None)
+    error = response.get("Error") if isinstance(response, dict) else None
+    code = str(error.get("Code", "")) if isinstance(error, dict) else ""
+    return code in ("NoSuchKey", "404", "NotFound")

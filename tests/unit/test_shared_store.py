@@ -1,0 +1,349 @@
+"""The shared session store against a real S3 API (moto's server on loopback): what it writes,
+what it refuses to read, and that it never holds up or fails an answer.
+
+The service-level tests assemble two instances exactly as a worker does (`assemble`, the tiny
+checkpoint, one bucket between them): a conversation begun on one continues on the other, its
+answers the model's own pipeline's over the whole conversation.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+from helpers import Reference, data_uri, make_image, serve_rows
+
+from llava.api.headers import NEW_SESSION_HEADER, SESSION_HEADER
+from llava.core.config import ServerConfig
+from llava.core.ids import new_session_id
+from llava.sessions.objects import S3Objects, StoreLocation
+from llava.sessions.sealed import seal, store_key
+from llava.sessions.session import CLOSED, EVICTED, EXPIRED
+from llava.sessions.shared import NotStored, SharedStore
+from llava.sessions.snapshots import CorruptSnapshot
+
+BUCKET = "llava-sessions"
+TOKENS = 6
+PROMPTS = ["What is this?", "Which colors do you see?", "Is it big?"]
+
+
+@pytest.fixture(scope="module")
+def s3_url() -> Iterator[str]:
+    """A real S3 API server on loopback, with dummy credentials for this process."""
+    from moto.server import ThreadedMotoServer
+
+    saved = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
+    os.environ.update(
+        AWS_ACCESS_KEY_ID="testing",
+        AWS_SECRET_ACCESS_KEY="testing",
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_CONFIG_FILE=os.devnull,
+        AWS_SHARED_CREDENTIALS_FILE=os.devnull,
+    )
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    url = f"http://{host}:{port}"
+    boto3.client("s3", endpoint_url=url).create_bucket(Bucket=BUCKET)
+    try:
+        yield url
+    finally:
+        server.stop()
+        for key in [k for k in os.environ if k.startswith("AWS_")]:
+            del os.environ[key]
+        os.environ.update(saved)
+
+
+def shared(url: str, prefix: str, **kwargs: Any) -> SharedStore:
+    location = StoreLocation.parse(f"s3://{BUCKET}/{prefix}")
+    return SharedStore(S3Objects.connect(BUCKET, endpoint_url=url), location, **kwargs)
+
+
+def raw(url: str) -> Any:
+    return boto3.client("s3", endpoint_url=url)
+
+
+def keys(url: str, prefix: str) -> list[str]:
+    listing = raw(url).list_objects_v2(Bucket=BUCKET, Prefix=prefix)
+    return sorted(o["Key"] for o in listing.get("Contents", []))
+
+
+# -- the store ---------------------------------------------------------------------------------
+
+
+def test_a_saved_state_is_sealed_in_the_bucket_and_read_back(s3_url: str) -> None:
+    store = shared(s3_url, "one")
+    sid = new_session_id()
+    store.save(sid, lambda: b"state")
+    assert store.flush(10)
+    [key] = keys(s3_url, "one/")
+    assert key == f"one/{sid}.snap"
+    body = raw(s3_url).get_object(Bucket=BUCKET, Key=key)["Body"].read()
+    assert body != b"state" and body.endswith(b"state")  # sealed, not the bare payload
+    assert store.fetch(sid).result(10) == b"state"
+    assert store.stats()["writes"] == 1 and store.size_of(sid) == len(body)
+    with pytest.raises(NotStored):
+        store.fetch(new_session_id()).result(10)
+    store.close()
+
+
+def test_only_the_latest_state_of_a_session_waits_and_the_queue_is_bounded(s3_url: str) -> None:
+    store = shared(s3_url, "queue", max_pending=2)
+    gate, busy = threading.Event(), threading.Event()
+
+    def slow() -> bytes:
+        busy.set()
+        gate.wait(10)
+        return b"first"
+
+    a, b, c, d = (new_session_id() for _ in range(4))
+    store.save(a, slow)
+    assert busy.wait(10)  # the writer is held on a's state: the rest queue behind it
+    store.save(b, lambda: b"b-old")
+    store.save(b, lambda: b"b-new")  # replaces b's pending write
+    assert store.stats()["pending"] == 2
+    store.save(c, lambda: b"c")
+    store.save(d, lambda: b"d")  # past max_pending: the oldest pending write (b's) goes
+    assert store.stats()["dropped"] == 1
+    gate.set()
+    assert store.flush(10)
+    assert store.fetch(a).result(10) == b"first"
+    with pytest.raises(NotStored):
+        store.fetch(b).result(10)
+    assert [store.fetch(s).result(10) for s in (c, d)] == [b"c", b"d"]
+    assert store.stats()["writes"] == 3
+    store.close()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "empty", "other-session", "foreign"])
+def test_a_damaged_moved_or_foreign_object_is_refused(s3_url: str, damage: str) -> None:
+    store = shared(s3_url, "damage")
+    sid, other = new_session_id(), new_session_id()
+    store.save(sid, lambda: b"x" * 100)
+    assert store.flush(10)
+    key = f"damage/{sid}.snap"
+    data = raw(s3_url).get_object(Bucket=BUCKET, Key=key)["Body"].read()
+    if damage == "other-session":  # a valid object copied under another session's key
+        raw(s3_url).put_object(Bucket=BUCKET, Key=f"damage/{other}.snap", Body=data)
+        sid = other
+    elif damage == "foreign":  # sealed by another endpoint's store (its prefix), put here
+        foreign = seal(store_key(f"s3://{BUCKET}/elsewhere"), sid, b"x" * 100)
+        raw(s3_url).put_object(Bucket=BUCKET, Key=key, Body=foreign)
+    else:
+        damaged = {"flip": data[:60] + bytes([data[60] ^ 1]) + data[61:], "truncate": data[:-5]}
+        raw(s3_url).put_object(Bucket=BUCKET, Key=key, Body=damaged.get(damage, b""))
+    with pytest.raises(CorruptSnapshot):
+        store.fetch(sid).result(10)
+    store.close()
+
+
+def test_a_secret_refuses_objects_sealed_without_it(s3_url: str) -> None:
+    writer = shared(s3_url, "secret", secret="endpoint secret")
+    sid = new_session_id()
+    writer.save(sid, lambda: b"state")
+    assert writer.flush(10)
+    assert writer.fetch(sid).result(10) == b"state"
+    forger = shared(s3_url, "secret")  # knows the bucket and prefix, not the secret
+    with pytest.raises(CorruptSnapshot):
+        forger.fetch(sid).result(10)
+    forger.save(sid, lambda: b"forged")
+    assert forger.flush(10)
+    with pytest.raises(CorruptSnapshot):
+        writer.fetch(sid).result(10)
+    writer.close()
+    forger.close()
+
+
+def test_a_session_ended_by_its_user_goes_and_one_resumed_elsewhere_stays(s3_url: str) -> None:
+    here, there = shared(s3_url, "ends"), shared(s3_url, "ends")
+    closed, expired, moved, evicted = (new_session_id() for _ in range(4))
+    for sid in (closed, expired, moved, evicted):
+        here.save(sid, lambda: b"here")
+    assert here.flush(10)
+    there.save(moved, lambda: b"there")  # another instance resumed it and answered since
+    assert there.flush(10)
+    here.remove(closed, CLOSED)
+    here.remove(expired, EXPIRED)
+    here.remove(moved, EXPIRED)
+    here.remove(evicted, EVICTED)
+    assert here.flush(10)
+    assert keys(s3_url, "ends/") == sorted(f"ends/{s}.snap" for s in (moved, evicted))
+    assert there.fetch(moved).result(10) == b"there"
+    here.close()
+    there.close()
+
+
+def test_a_store_that_is_down_costs_writes_never_a_caller(s3_url: str) -> None:
+    location = StoreLocation.parse(f"s3://{BUCKET}/down")
+    dead = S3Objects.connect(BUCKET, endpoint_url="http://127.0.0.1:9", timeout_s=0.5)
+    store = SharedStore(dead, location, retry_s=0.01)
+    sid = new_session_id()
+    store.save(sid, lambda: b"state")  # returns at once: the writer thread does the work
+    store.remove(new_session_id(), CLOSED)
+    assert store.flush(60)
+    stats = store.stats()
+    assert stats["failures"] == 2 and stats["writes"] == 0 and stats["pending"] == 0
+    with pytest.raises(Exception):  # noqa: B017 (botocore's own connection error)
+        store.fetch(sid).result(30)
+    store.close()
+
+
+def test_a_store_location_must_be_an_s3_uri() -> None:
+    assert StoreLocation.parse("s3://bucket/a/b/").under("llava").key("x") == "a/b/llava/x.snap"
+    for bad in ("bucket/prefix", "s3://", "https://bucket/x", "s3://UPPER/x"):
+        with pytest.raises(ValueError, match="s3://bucket/prefix"):
+            StoreLocation.parse(bad)
+    with pytest.raises(ValueError, match="s3://bucket/prefix"):
+        ServerConfig(session_store="/tmp/sessions")
+    assert "secret" not in repr(ServerConfig(session_store_secret="hunter2")).replace("_secret", "")
+
+
+# -- two instances, one store -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint: Path) -> Reference:
+    return Reference(tiny_checkpoint)
+
+
+def instance(checkpoint: Path, tmp: Path, url: str, name: str, **settings: Any) -> Any:
+    from llava.fronts.assembly import assemble
+
+    config = ServerConfig(
+        device="cpu",
+        image_processes=0,
+        snapshot_dir=str(tmp / f"snaps-{name}"),
+        session_store=f"s3://{BUCKET}/endpoint",
+        session_store_endpoint=url,
+        **settings,
+    )
+    return assemble(checkpoint, config, model_name="llava", registry_dir=str(tmp / f"reg-{name}"))
+
+
+def call(inst: Any, body: dict[str, Any], sid: str | None = None) -> tuple[int, Any]:
+    headers = {SESSION_HEADER: sid} if sid else {}
+    rid = new_session_id()
+    return serve_rows(inst.service, [(rid, body, headers)])[rid]
+
+
+def ask(inst: Any, sid: str, prompt: str) -> tuple[int, Any]:
+    return call(inst, {"type": "query", "prompt": prompt, "max_new_tokens": TOKENS}, sid)
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_checkpoint: Path, tmp_path_factory: Any, s3_url: str) -> Iterator[tuple[Any, Any]]:
+    tmp = tmp_path_factory.mktemp("pair")
+    a = instance(tiny_checkpoint, tmp, s3_url, "a")
+    b = instance(tiny_checkpoint, tmp, s3_url, "b")
+    yield a, b
+    for inst in (a, b):
+        inst.service.close()
+        inst.shared.close()
+
+
+def test_a_conversation_begun_on_one_instance_goes_on_on_another(pair, reference, s3_url) -> None:
+    a, b = pair
+    picture = make_image(41)
+    status, opened = call(a, {"type": "open_session", "image": data_uri(picture)})
+    assert status == 200
+    sid = opened["session_id"]
+    answers = [ask(a, sid, p)[1]["text"] for p in PROMPTS[:2]]
+    assert a.shared.flush(10)
+    status, reply = ask(b, sid, PROMPTS[2])  # b never held it: it resumes from the store
+    assert status == 200, reply
+    assert reply["usage"]["session_tier"] == "store"
+    expected = reference.answers(picture, PROMPTS, TOKENS)
+    assert [*answers, reply["text"]] == expected
+    status, again = ask(b, sid, "And now?")
+    assert status == 200 and again["usage"]["session_tier"] != "store"  # held from now on
+    status, closed = call(b, {"type": "close_session"}, sid)
+    assert status == 200 and closed["closed"]
+    assert b.shared.flush(10)
+    assert f"endpoint/llava/{sid}.snap" not in keys(s3_url, "endpoint/")
+
+
+def test_a_client_can_resume_explicitly_and_is_pinned_to_the_new_instance(pair, reference):
+    a, b = pair
+    picture = make_image(42)
+    sid = call(a, {"type": "open_session", "image": data_uri(picture)})[1]["session_id"]
+    first = ask(a, sid, PROMPTS[0])[1]["text"]
+    assert a.shared.flush(10)
+    rid = new_session_id()
+    rows = [(rid, {"type": "open_session", "resume": sid}, {SESSION_HEADER: "NEW_SESSION"})]
+    status, body = serve_rows(b.service, rows)[rid]
+    assert status == 200 and body["session_id"] == sid
+    status, reply = ask(b, sid, PROMPTS[1])
+    assert status == 200
+    assert [first, reply["text"]] == reference.answers(picture, PROMPTS[:2], TOKENS)
+    # AWS's dialect resumes too; a held session answers at once, with the new-session header
+    from llava.server.service import Incoming
+
+    batch = [Incoming("r", b'{"requestType": "NEW_SESSION", "resume": "%s"}' % sid.encode(), {})]
+    [reply_] = b.service.step(batch)
+    assert reply_ is not None and reply_.status == 200
+    assert reply_.headers[NEW_SESSION_HEADER].startswith(sid + "; Expires=")
+
+
+def test_a_damaged_or_expired_stored_state_costs_its_own_session_only(pair, s3_url) -> None:
+    a, b = pair
+    sids = [
+        call(a, {"type": "open_session", "image": data_uri(make_image(50 + i))})[1]
+        for i in range(3)
+    ]
+    damaged, expired, fine = (s["session_id"] for s in sids)
+    assert a.shared.flush(10)
+    key = f"endpoint/llava/{damaged}.snap"
+    data = raw(s3_url).get_object(Bucket=BUCKET, Key=key)["Body"].read()
+    raw(s3_url).put_object(Bucket=BUCKET, Key=key, Body=data[:-100])
+    status, body = ask(b, damaged, "Hello?")
+    assert status == 400 and body["error"]["code"] == "session_lost"
+    # an expired conversation: its stored expiry is in the past
+    session = a.service.store.peek(expired)
+    a.service.store.ttl_s = 0.001
+    a.service.keeper.keep(session)
+    a.service.store.ttl_s = 1200.0
+    assert a.shared.flush(10)
+    status, body = ask(b, expired, "Hello?")
+    assert status == 400 and body["error"]["code"] == "session_expired"
+    assert b.shared.flush(10)
+    assert b.shared.fetch(expired).exception(10) is not None  # deleted
+    status, body = ask(b, fine, "What is this?")
+    assert status == 200 and body["usage"]["session_tier"] == "store"
+
+
+def test_with_no_store_nothing_leaves_the_instance(tiny_checkpoint, tmp_path, s3_url) -> None:
+    from llava.fronts.assembly import assemble
+
+    before = keys(s3_url, "")
+    config = ServerConfig(device="cpu", image_processes=0, snapshot_dir=str(tmp_path / "s"))
+    inst = assemble(tiny_checkpoint, config, model_name="llava", registry_dir=str(tmp_path))
+    assert inst.shared is None
+    sid = call(inst, {"type": "open_session", "image": data_uri(make_image(60))})[1]["session_id"]
+    assert ask(inst, sid, "What is this?")[0] == 200
+    inst.service.close()
+    assert keys(s3_url, "") == before
+
+
+def test_a_draining_instance_takes_no_new_session_and_flushes_every_held_one(
+    tiny_checkpoint, tmp_path, s3_url
+) -> None:
+    inst = instance(tiny_checkpoint, tmp_path, s3_url, "drain", session_store_max_pending=256)
+    sid = call(inst, {"type": "open_session", "image": data_uri(make_image(61))})[1]["session_id"]
+    inst.service.draining = True
+    status, body = call(inst, {"type": "open_session", "image": data_uri(make_image(62))})
+    assert status == 503 and body["error"]["code"] == "draining"
+    status, body = ask(inst, sid, "What is this?")  # a held conversation is still served
+    assert status == 200
+    outcome = inst.drain(grace_s=5)
+    assert outcome["flushed"] and outcome["cut"] == 0
+    assert inst.shared.stats()["pending"] == 0
+    assert f"endpoint/llava/{sid}.snap" in keys(s3_url, "endpoint/")
+    status, body = ask(inst, sid, "And now?")  # past the drain nothing is admitted
+    assert status == 503 and body["error"]["code"] == "draining"
+    inst.service.close()
+    inst.shared.close()
