@@ -6,9 +6,9 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from llava.api.headers import NEW_SESSION, NEW_SESSION_HEADER, SESSION_HEADER, STREAM_CONTENT_TYPE
 from llava.client.errors import EndpointError, ErrorResponse, TransportError, error_for
@@ -16,10 +16,18 @@ from llava.client.inline import image_ref
 from llava.client.lines import ndjson_lines
 from llava.client.response import Response
 from llava.client.transports import HttpTransport, SageMakerTransport, Transport
-from llava.core.errors import SessionBusy, SessionClosed, SessionError
+from llava.core.errors import (
+    KitError,
+    SessionBusy,
+    SessionClosed,
+    SessionError,
+    SessionLost,
+    SessionNotFound,
+)
 
 # Named for the package, as before the split, so logging configuration keeps matching.
 log = logging.getLogger("llava.client")
+T = TypeVar("T")
 
 # --------------------------------------------------------------------------- results
 
@@ -111,6 +119,11 @@ class SessionClient:
         if expires is None and "Expires=" in value:
             expires = value.split("Expires=", 1)[1].strip()
         return Session(self, sid, expires_at=expires)
+
+    def resume(self, session_id: str) -> Session:
+        """Take up a session kept in the endpoint's shared store (its instance went away)."""
+        response = self._call({"type": "open_session", "resume": session_id}, NEW_SESSION)
+        return Session(self, session_id, expires_at=_json_body(response).get("expires_at"))
 
     def close(self) -> None:
         """Release the transport's connections (if the client created them)."""
@@ -214,7 +227,7 @@ class Session:
     def _deltas(self, body: dict[str, Any]) -> Iterator[str]:
         done = False
         try:
-            for obj in self.client._stream(body, self.id):
+            for obj in self._opened_stream(body):
                 if "error" in obj:
                     raise error_for(
                         Response(500, {"Content-Type": STREAM_CONTENT_TYPE}, _encode(obj))
@@ -239,7 +252,9 @@ class Session:
         the same question again (a regenerate) then costs only the new answer's tokens."""
         self._check_open()
         try:
-            obj = _json_body(self.client._call({"type": "rollback"}, self.id))
+            obj = _json_body(
+                self._resuming(lambda: self.client._call({"type": "rollback"}, self.id))
+            )
         except SessionError as exc:
             self._forget(exc)
             raise
@@ -317,10 +332,38 @@ class Session:
     def _call(self, body: Mapping[str, Any]) -> Response:
         self._check_open()
         try:
-            return self.client._call(body, self.id)
+            return self._resuming(lambda: self.client._call(body, self.id))
         except SessionError as exc:
             self._forget(exc)
             raise
+
+    def _opened_stream(self, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        """A stream's lines, its start (where a lost session shows) made with `_resuming`."""
+
+        def start() -> tuple[dict[str, Any] | None, Iterator[dict[str, Any]]]:
+            lines = iter(self.client._stream(body, self.id))
+            return next(lines, None), lines
+
+        first, rest = self._resuming(start)
+        if first is not None:
+            yield first
+            yield from rest
+
+    def _resuming(self, call: Callable[[], T]) -> T:
+        """Make a call; if the session's instance is gone (the server lost it, or the router no
+        longer knows it), resume it from the endpoint's shared store once and call again."""
+        try:
+            return call()
+        except (SessionLost, SessionNotFound, EndpointError) as exc:
+            router_forgot = isinstance(exc, EndpointError) and exc.error_code == "ValidationError"
+            if isinstance(exc, EndpointError) and not router_forgot:
+                raise
+            try:
+                self.client.resume(self.id)
+            except KitError:
+                raise exc from None  # not in the store either: the original error stands
+            log.info("session %s resumed from the endpoint's shared store", self.id)
+            return call()
 
     def _forget(self, exc: SessionError) -> None:
         """A session the server no longer has needs no close."""

@@ -1,5 +1,10 @@
 """Sticky routing as SageMaker does it: a new session goes to the least-loaded instance, and
-every later request for it to the instance that opened it, until it closes or expires."""
+every later request for it to the instance that opened it, until it closes or expires.
+
+An instance that stops answering (scaled in, replaced, lost) is taken out of rotation for a
+while, and a session pinned to it is routed to another instance, which resumes it from the
+shared session store: what SageMaker is assumed to do with a session whose instance is gone.
+"""
 
 from __future__ import annotations
 
@@ -45,6 +50,7 @@ class StickyRouter:
         self.enforce_expiry = enforce_expiry
         self._routes: dict[str, tuple[int, float | None]] = {}
         self._inflight = [0] * size
+        self._down_until = [0.0] * size  # out of rotation until then (it stopped answering)
         self._next = 0
         self._lock = threading.Lock()
 
@@ -65,16 +71,43 @@ class StickyRouter:
         with self._lock:
             return {sid: index for sid, (index, _) in self._routes.items()}
 
-    def pick(self) -> int:
-        """The least-loaded instance (pinned sessions + requests in flight), round-robin on ties."""
+    def pick(self, exclude: frozenset[int] = frozenset()) -> int:
+        """The least-loaded instance in rotation (pinned sessions + requests in flight),
+        round-robin on ties; `exclude` those already tried."""
         with self._lock:
             pinned = [0] * self.size
             for index, _ in self._routes.values():
                 pinned[index] += 1
+            now = time.monotonic()
             order = [(self._next + k) % self.size for k in range(self.size)]
+            order = [i for i in order if i not in exclude] or order
+            order = [i for i in order if self._down_until[i] <= now] or order
             best = min(order, key=lambda i: (pinned[i] + self._inflight[i], order.index(i)))
             self._next = (best + 1) % self.size
             return best
+
+    def down(self, index: int, for_s: float = 30.0) -> None:
+        """Take an instance that stopped answering out of rotation for `for_s` seconds."""
+        with self._lock:
+            self._down_until[index] = time.monotonic() + for_s
+        log.warning("instance %d stopped answering: out of rotation for %.0f s", index, for_s)
+
+    def up(self, index: int) -> None:
+        """Put an instance back in rotation (a new one took its place)."""
+        with self._lock:
+            self._down_until[index] = 0.0
+
+    def move(self, sid: str | None, gone: int, tried: frozenset[int]) -> int:
+        """Pick another instance for a request `gone` did not take; a session (`sid`) is
+        pinned to it from now on."""
+        index = self.pick(tried | {gone})
+        if sid is None:
+            return index
+        with self._lock:
+            entry = self._routes.get(sid)
+            self._routes[sid] = (index, entry[1] if entry is not None else None)
+        log.info("session %s: instance %d is gone; routed to instance %d", sid, gone, index)
+        return index
 
     def lookup(self, sid: str) -> int:
         with self._lock:

@@ -34,7 +34,7 @@ import re
 import sys
 import threading
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -43,8 +43,14 @@ import httpx
 
 from llava.api.headers import CLOSED_SESSION_HEADER, NEW_SESSION, NEW_SESSION_HEADER, SESSION_HEADER
 from llava.core.params import MAX_BODY_BYTES
-from llava.fronts.local_runtime.eventstream import exception_event, payload_part
 from llava.fronts.local_runtime.router import Refusal, StickyRouter, check_session_id
+from llava.fronts.local_runtime.wire import (
+    InstanceGone,
+    container_frames,
+    is_draining,
+    read_body,
+    write_chunk,
+)
 
 log = logging.getLogger(__name__)
 
@@ -137,10 +143,16 @@ class LocalRuntime:
         """A copy of the sticky routing table: session id -> instance index."""
         return self.router.routes
 
+    def replace(self, index: int, url: str) -> None:
+        """Put a new instance in place `index` (a deployment update replacing an instance):
+        its sessions resume from the shared store on whichever instance they reach."""
+        self.instances[index] = url.rstrip("/")
+        self.router.up(index)
+
     # -- one request
 
     def _handle(self, h: _Handler) -> None:
-        body = _read_body(h)
+        body = read_body(h)
         length = len(body)
         try:
             match = _PATH.fullmatch(urlsplit(h.path).path)
@@ -163,17 +175,25 @@ class LocalRuntime:
             sid = h.headers.get(SESSION_HEADER)
             sid = sid.strip() if sid is not None else None
             check_session_id(sid, streaming)
-            opening = sid is None or sid == NEW_SESSION
-            index = (
-                self.router.pick() if sid is None or sid == NEW_SESSION else self.router.lookup(sid)
-            )
+            target = None if sid is None or sid == NEW_SESSION else sid
+            index = self.router.pick() if target is None else self.router.lookup(target)
             headers = self._forward_headers(h, streaming)
-            url = self.instances[index] + "/invocations"
-            with self.router.in_flight(index):
-                if streaming:
-                    self._stream(h, url, body, headers)
-                else:
-                    self._invoke(h, url, body, headers, index, opening)
+            tried: set[int] = set()
+            while True:  # an instance that is gone or draining: the next one takes it
+                url = self.instances[index] + "/invocations"
+                try:
+                    with self.router.in_flight(index):
+                        if streaming:
+                            self._stream(h, url, body, headers)
+                        else:
+                            self._invoke(h, url, body, headers, index, target is None)
+                    return
+                except InstanceGone:
+                    tried.add(index)
+                    self.router.down(index)
+                    if len(tried) == len(self.instances):
+                        raise self._unreachable(ConnectionError("every instance")) from None
+                    index = self.router.move(target, index, frozenset(tried))
         except Refusal as refusal:
             self._refuse(h, refusal)
         except (BrokenPipeError, ConnectionResetError):
@@ -208,7 +228,9 @@ class LocalRuntime:
         try:
             r = self._http.post(url, content=body, headers=headers)
         except httpx.HTTPError as exc:
-            raise self._unreachable(exc) from exc
+            raise self._gone_or_unreachable(url, exc) from exc
+        if is_draining(r.status_code, r.content):
+            raise InstanceGone()
         if r.status_code >= 400:
             self._model_error(h, r.status_code, r.content)
             return
@@ -235,10 +257,12 @@ class LocalRuntime:
         try:
             r = self._http.send(request, stream=True)
         except httpx.HTTPError as exc:
-            raise self._unreachable(exc) from exc
+            raise self._gone_or_unreachable(url, exc) from exc
         try:
             if r.status_code >= 400:
                 r.read()
+                if is_draining(r.status_code, r.content):
+                    raise InstanceGone()
                 self._model_error(h, r.status_code, r.content)
                 return
             h.send_response(200)
@@ -250,13 +274,30 @@ class LocalRuntime:
             )
             h.send_header("Transfer-Encoding", "chunked")
             h.end_headers()
-            for frame in _container_frames(r):
-                _write_chunk(h, frame)
-            _write_chunk(h, b"")
+            for frame in container_frames(r):
+                write_chunk(h, frame)
+            write_chunk(h, b"")
         except (BrokenPipeError, ConnectionResetError):
             h.close_connection = True  # the client went away: closing `r` tells the container
         finally:
             r.close()
+
+    def _gone_or_unreachable(self, url: str, exc: httpx.HTTPError) -> Exception:
+        """An instance that refused the connection, or dropped it and no longer answers /ping,
+        is gone (its sessions go elsewhere); any other failure is the container's."""
+        if isinstance(exc, httpx.ConnectError) or (
+            isinstance(exc, (httpx.NetworkError, httpx.RemoteProtocolError))
+            and not isinstance(exc, httpx.TimeoutException)
+            and not self._answers_ping(url.rsplit("/", 1)[0])
+        ):
+            return InstanceGone()
+        return self._unreachable(exc)
+
+    def _answers_ping(self, base: str) -> bool:
+        try:
+            return self._http.get(base + "/ping", timeout=2.0).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def _unreachable(self, exc: Exception) -> Refusal:
         # A container that does not answer in time is reported as a ModelError without an
@@ -319,43 +360,6 @@ class LocalRuntime:
             h.wfile.flush()
         except (BrokenPipeError, ConnectionResetError):
             h.close_connection = True
-
-
-def _container_frames(r: httpx.Response) -> Iterator[bytes]:
-    """Event-stream frames for the container's chunks as they arrive; a broken stream ends
-    with a `ModelStreamError` event (error code `StreamBroken`)."""
-    try:
-        for chunk in r.iter_raw():
-            if chunk:
-                yield payload_part(chunk)
-    except httpx.HTTPError as exc:
-        yield exception_event(
-            "ModelStreamError",
-            f"The stream from container primary broke: {type(exc).__name__}: {exc}",
-            ErrorCode="StreamBroken",
-        )
-
-
-def _read_body(h: _Handler) -> bytes:
-    """The request body, by Content-Length or chunked transfer coding."""
-    if "chunked" in (h.headers.get("Transfer-Encoding") or "").lower():
-        parts: list[bytes] = []
-        while True:
-            size = int(h.rfile.readline().split(b";", 1)[0].strip() or b"0", 16)
-            if size == 0:
-                while h.rfile.readline() not in (b"\r\n", b"\n", b""):
-                    pass  # trailers
-                return b"".join(parts)
-            parts.append(h.rfile.read(size))
-            h.rfile.readline()
-    length = int(h.headers.get("Content-Length") or 0)
-    return h.rfile.read(length) if length > 0 else b""
-
-
-def _write_chunk(h: _Handler, data: bytes) -> None:
-    """Write one HTTP/1.1 chunk (an empty one ends the body) and flush it."""
-    h.wfile.write(f"{len(data):X}\r\n".encode() + data + b"\r\n")
-    h.wfile.flush()
 
 
 class _Server(ThreadingHTTPServer):

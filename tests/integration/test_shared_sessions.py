@@ -1,0 +1,159 @@
+"""Conversations outlive their instance: two real TorchServes behind the local SageMaker runtime,
+one S3 API server (moto's, on loopback) as their shared session store, an unmodified boto3
+client through the kit's `SessionClient`.
+
+Conversations run on both instances; one instance is stopped gracefully (its worker drains and
+flushes, as on SIGTERM in the image), a new one takes its place (an update), then the other is
+killed with `kill -9` (a lost host). Every conversation goes on through the runtime, which routes
+a lost session to an instance that is still there; each answer is the model's own pipeline's
+over the whole conversation, so no finished turn was lost. Closing the sessions empties the
+store.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+from conftest import start_server
+from helpers import Reference, data_uri, make_image
+
+from llava.client import SessionClient
+from llava.fronts.local_runtime.server import LocalRuntime
+from llava.fronts.torchserve.launcher import TorchServe
+from llava.fronts.torchserve.stopping import descendants
+
+pytestmark = pytest.mark.integration
+
+BUCKET = "endpoint-sessions"
+PROMPTS = ["What is this?", "Which colors do you see?", "Is it big?", "Where is it?"]
+TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint: Path) -> Reference:
+    return Reference(tiny_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def s3_url() -> Iterator[str]:
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    url = f"http://{host}:{port}"
+    boto3.client("s3", endpoint_url=url, **CREDENTIALS).create_bucket(Bucket=BUCKET)
+    try:
+        yield url
+    finally:
+        server.stop()
+
+
+CREDENTIALS = {
+    "aws_access_key_id": "testing",
+    "aws_secret_access_key": "testing",
+    "region_name": "us-east-1",
+}
+
+
+def settings(s3_url: str) -> dict[str, str]:
+    """Each instance's environment: the shared store, and dummy credentials for moto."""
+    return {
+        "LLAVA_SESSION_STORE": f"s3://{BUCKET}/llava-endpoint",
+        "LLAVA_SESSION_STORE_ENDPOINT": s3_url,
+        "LLAVA_DRAIN_GRACE_S": "20",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+
+
+def stored(s3_url: str) -> dict[str, str]:
+    """Session id -> ETag of every object in the store."""
+    client = boto3.client("s3", endpoint_url=s3_url, **CREDENTIALS)
+    listing = client.list_objects_v2(Bucket=BUCKET).get("Contents", [])
+    return {Path(o["Key"]).stem: o["ETag"] for o in listing}
+
+
+def kill_instance(ts: TorchServe) -> None:
+    """`kill -9` a whole instance: its frontend and every process below it."""
+    pid = ts.frontend_pid()
+    assert pid is not None
+    for child, _ in descendants(pid):
+        os.kill(child, signal.SIGKILL)
+    os.kill(pid, signal.SIGKILL)
+
+
+def wait_for(condition: Any, what: str, timeout_s: float = 30) -> None:
+    """Poll a condition another process makes true (the store's writes land after answers)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_conversations_survive_scale_in_an_update_and_a_lost_instance(
+    model_store, tmp_path_factory, s3_url, reference, monkeypatch
+) -> None:
+    env = settings(s3_url)
+    start = [
+        start_server(model_store, tmp_path_factory.mktemp(f"shared-{i}"), **env) for i in (0, 1)
+    ]
+    servers: list[TorchServe] = list(start)
+    try:
+        with LocalRuntime([ts.url() for ts in start], name="llava") as runtime:
+            monkeypatch.setenv("AWS_ENDPOINT_URL_SAGEMAKER_RUNTIME", runtime.url)
+            monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+            monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+            monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+            monkeypatch.delenv("AWS_PROFILE", raising=False)
+            client = SessionClient.for_endpoint("llava")
+            pictures = [make_image(700 + i) for i in range(4)]
+            sessions = [client.session(image=data_uri(p)) for p in pictures]
+            said: list[list[str]] = [[] for _ in sessions]
+
+            def turn(n: int) -> None:
+                for i, s in enumerate(sessions):
+                    if n == 2 and i == 0:  # one of them streams its answer
+                        said[i].append("".join(s.stream(PROMPTS[n], max_new_tokens=TOKENS)))
+                    else:
+                        said[i].append(s.ask(PROMPTS[n], max_new_tokens=TOKENS).text)
+
+            turn(0)
+            assert sorted(set(runtime.routes.values())) == [0, 1]  # both instances hold some
+            # Scale-in: instance 0 drains (its worker flushes every session) and stops.
+            start[0].stop(drain_s=60)
+            assert "drained in" in start[0].logs()
+            turn(1)  # instance 0's conversations resume on instance 1
+            assert set(runtime.routes.values()) == {1}
+            # An update: a new instance takes the stopped one's place.
+            servers.append(start_server(model_store, tmp_path_factory.mktemp("shared-new"), **env))
+            runtime.replace(0, servers[-1].url())
+            # A lost host: instance 1 is killed once its last answers are in the store.
+            before = stored(s3_url)
+            turn(2)
+            wait_for(
+                lambda: all(stored(s3_url).get(s.id) != before.get(s.id) for s in sessions),
+                "the last finished turns in the store",
+            )
+            kill_instance(start[1])
+            turn(3)  # every conversation goes on, on the new instance
+            assert set(runtime.routes.values()) == {0}
+            for picture, answers in zip(pictures, said, strict=True):
+                assert answers == reference.answers(picture, PROMPTS, TOKENS)
+            # An explicit resume names a stored session: it is pinned where it lands.
+            resumed = client.resume(sessions[1].id)
+            assert resumed.id == sessions[1].id
+            for s in sessions:
+                s.close()
+            wait_for(lambda: not stored(s3_url), "the closed sessions' objects to go")
+    finally:
+        for ts in servers:
+            ts.stop()
