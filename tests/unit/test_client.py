@@ -169,6 +169,24 @@ def test_close_retries_while_the_session_is_busy_and_ignores_a_gone_session():
         SessionClient(t).session(image="https://x/y.png").close()
 
 
+def test_a_session_the_router_forgot_is_resumed_from_the_store_and_asked_again():
+    forgot = EndpointError("ValidationError: not found", error_code="ValidationError", status=400)
+    answer = ok({"session_id": SID, "text": "a cat", "usage": USAGE})
+    t = RecordingTransport(OPENED, forgot, OPENED, answer, CLOSED)
+    with SessionClient(t).session(image="https://x/y.png") as s:
+        assert s.ask("What is it?").text == "a cat"
+    assert [(c[1]["type"], c[1].get("resume"), c[2]) for c in t.calls] == [
+        ("open_session", None, NEW_SESSION),
+        ("query", None, SID),
+        ("open_session", SID, NEW_SESSION),  # the explicit resume, pinned where it lands
+        ("query", None, SID),
+        ("close_session", None, SID),
+    ]
+    t = RecordingTransport(OPENED, forgot, err(400, "session_not_found"), CLOSED)
+    with SessionClient(t).session(image="https://x/y.png") as s, pytest.raises(EndpointError):
+        s.ask("What is it?")  # not in the store either: the router's own error stands
+
+
 @pytest.mark.parametrize(
     ("response", "cls", "status"),
     [
