@@ -85,7 +85,7 @@ class Gauges:
         stats = self.shared.stats()
         store = ("Store", "shared")
         return [
-            Reading("LlavaSnapshots", int(stats["writes"] - stats["deletes"]), "count", store),
+            Reading("LlavaSnapshots", int(stats["objects"]), "count", store),
             Reading("LlavaSnapshotBytes", int(stats["bytes"]), "B", store),
             Reading("LlavaStoreWrites", int(stats["writes"]), "count", ("Outcome", "written")),
             Reading("LlavaStoreWrites", int(stats["failures"]), "count", ("Outcome", "failed")),

@@ -133,6 +133,7 @@ class SharedStore:
                 **self._counts,
                 "pending": len(self._pending) + (self._busy is not None),
                 "lag_s": round(lag, 3),
+                "objects": len(self._bytes),  # sessions whose latest state this instance wrote
                 "bytes": sum(self._bytes.values()),
             }
 

@@ -87,6 +87,9 @@ def test_a_saved_state_is_sealed_in_the_bucket_and_read_back(s3_url: str) -> Non
     assert body != b"state" and body.endswith(b"state")  # sealed, not the bare payload
     assert store.fetch(sid).result(10) == b"state"
     assert store.stats()["writes"] == 1 and store.size_of(sid) == len(body)
+    store.save(sid, lambda: b"state, a turn later")
+    assert store.flush(10)
+    assert store.stats()["writes"] == 2 and store.stats()["objects"] == 1
     with pytest.raises(NotStored):
         store.fetch(new_session_id()).result(10)
     store.close()
@@ -345,5 +348,11 @@ def test_a_draining_instance_takes_no_new_session_and_flushes_every_held_one(
     assert f"endpoint/llava/{sid}.snap" in keys(s3_url, "endpoint/")
     status, body = ask(inst, sid, "And now?")  # past the drain nothing is admitted
     assert status == 503 and body["error"]["code"] == "draining"
+    from llava.fronts.gauges import Gauges
+
+    readings = {(r.name, r.dimension): r.value for r in Gauges(inst).changed()}
+    assert readings[("LlavaStoreWrites", ("Outcome", "written"))] == 2  # the open, the answer
+    assert readings[("LlavaSnapshots", ("Store", "shared"))] == 1
+    assert readings[("LlavaStorePending", ("Store", "shared"))] == 0
     inst.service.close()
     inst.shared.close()
