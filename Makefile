@@ -101,7 +101,8 @@ PYTEST = LLAVA_GPU_LOGIC=cpu $(BIN)/python -m pytest -q -p no:cacheprovider
 # (root, unshare and ip, as on CI); `make test-ray` runs them alone.
 RAY_TESTS = unshare -n sh -c 'ip link set lo up && LLAVA_NETNS=1 $(PYTEST) \
 	tests/integration/test_ray_front.py tests/integration/test_sessions_api.py \
-	tests/integration/test_openai_api.py tests/integration/test_local_runtime.py -k "ray"'
+	tests/integration/test_openai_api.py tests/integration/test_local_runtime.py \
+	tests/integration/test_shared_sessions.py -k "ray"'
 test: venv lint
 	$(PYTEST)
 	$(RAY_TESTS)

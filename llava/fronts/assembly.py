@@ -157,10 +157,13 @@ def assemble(
         journal=registry,
         id_prefix=id_prefix,
     )
+    holds = shared.holds if shared is not None else None
     if snapshots is not None:
-        recover(snapshots, engine, store, left_open)
-    else:
+        recover(snapshots, engine, store, left_open, shared=holds)
+    elif holds is None:
         store.load_tombstones(left_open, LOST)
+    else:  # what the store holds resumes from there on its next request
+        store.load_tombstones([sid for sid in left_open if not holds(sid)], LOST)
     store.start_reaper(config.reaper_interval_s)
     images = ImageLoader(
         ImagePolicy(

@@ -101,6 +101,7 @@ class SharedStore:
         self._bytes: dict[str, int] = {}
         self._cond = threading.Condition()
         self._closed = False
+        self._unreachable = False  # a start-up look-up failed (holds)
         self._readers = ThreadPoolExecutor(readers, thread_name_prefix="llava-store-read")
         self._writer = threading.Thread(target=self._run, name="llava-store-write", daemon=True)
         self._writer.start()
@@ -150,6 +151,18 @@ class SharedStore:
         with self._cond:
             self._counts["resumes"] += 1
         return payload
+
+    def holds(self, sid: str) -> bool:
+        """Tell whether the store has an object for `sid` (blocking: start-up only); False if
+        the store cannot be reached, so local snapshots take over."""
+        if self._unreachable:  # one failed look-up is enough: start-up must not crawl
+            return False
+        try:
+            return self.objects.etag(self.location.key(sid)) is not None
+        except Exception as exc:
+            log.warning("shared session store unreachable (%s): using local snapshots", exc)
+            self._unreachable = True
+            return False
 
     def forget(self, sid: str) -> None:
         """Queue the deletion of a stored session that can no longer be used (expired)."""

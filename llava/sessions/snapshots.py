@@ -193,16 +193,20 @@ def recover(
     left_open: Iterable[str],
     *,
     clock: Callable[[], float] = time.time,
+    shared: Callable[[str], bool] | None = None,
 ) -> dict[str, int]:
     """Restore the sessions an earlier worker left open from their snapshots, at start-up.
 
     Sessions left open without a usable snapshot answer `session_lost`, those whose idle time
     ran out while no worker served them `session_expired`; snapshots of sessions that ended
-    are deleted. Returns how many sessions went each way.
+    are deleted. With a shared store, `shared(sid)` tells whether it holds a session: such a
+    session is left to resume from there on its next request (its latest state, maybe
+    answered on another instance meanwhile), not restored from this disk's copy. Returns how
+    many sessions went each way.
     """
     left = set(left_open)
     found = snapshots.found()
-    counts = {"restored": 0, "expired": 0, "corrupt": 0, "lost": 0}
+    counts = {"restored": 0, "expired": 0, "corrupt": 0, "lost": 0, "in_store": 0}
     if found:
         log.info("restoring sessions from %d snapshot(s) in %s", len(found), snapshots.path)
     for n, sid in enumerate(found, 1):
@@ -210,6 +214,9 @@ def recover(
             snapshots.discard(sid)
             continue
         left.discard(sid)
+        if shared is not None and shared(sid):
+            counts["in_store"] += 1
+            continue
         try:
             state, extra = engine.resume(snapshots.read(sid))
             expires_at = float(extra.get("expires_at", 0))
@@ -234,6 +241,8 @@ def recover(
         counts["restored"] += 1
         if n % 50 == 0:
             log.info("restored %d of %d snapshot(s)", n, len(found))
+    if shared is not None:  # no snapshot here: the shared store may still have it
+        left = {sid for sid in left if not shared(sid)}
     counts["lost"] = store.load_tombstones(left, LOST)
     if found or left:
         log.info("sessions after the restart: %s", counts)

@@ -7,6 +7,7 @@ stubbed.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from datetime import datetime, timezone
 from pathlib import Path
@@ -963,3 +964,61 @@ def test_client_snippet_matches_the_client_api() -> None:
     signature.bind("llava", region_name=REGION, inference_component="ic")
     assert {"session"} <= set(dir(client.SessionClient))
     assert {"ask", "stream"} <= set(dir(client.Session))
+
+
+class RecordingIam:
+    """IAM's policy simulator cannot run here: answer from a set of denied actions, recording
+    every call (the role, actions and resources asked about)."""
+
+    def __init__(self, denied: set[str] = frozenset(), fail: Exception | None = None) -> None:
+        self.denied, self.fail = set(denied), fail
+        self.calls: list[dict[str, Any]] = []
+
+    def simulate_principal_policy(self, **kwargs: Any) -> dict[str, Any]:
+        self.calls.append(kwargs)
+        if self.fail is not None:
+            raise self.fail
+        return {
+            "EvaluationResults": [
+                {
+                    "EvalActionName": action,
+                    "EvalDecision": "implicitDeny" if action in self.denied else "allowed",
+                }
+                for action in kwargs["ActionNames"]
+            ]
+        }
+
+
+def test_the_roles_access_to_the_session_store_is_checked_before_deploying() -> None:
+    from llava.tools.deploy.store_access import check_store_access
+
+    said: list[str] = []
+    iam = RecordingIam()
+    check_store_access(iam, ROLE, "s3://bucket/sessions/llava", progress=said.append)
+    assert iam.calls == [
+        {
+            "PolicySourceArn": ROLE,
+            "ActionNames": ["s3:GetObject", "s3:PutObject", "s3:DeleteObject"],
+            "ResourceArns": ["arn:aws:s3:::bucket/sessions/llava/llava-check.snap"],
+        }
+    ]
+    assert said == ["the execution role may use the session store s3://bucket/sessions/llava"]
+    # with a key: the key's actions too, on its ARN (a bare id is in the role's account)
+    iam = RecordingIam(denied={"s3:PutObject", "kms:GenerateDataKey"})
+    with pytest.raises(dp.DeployError) as info:
+        check_store_access(iam, ROLE, "s3://bucket/p", kms_key="k-1", region="eu-west-1")
+    account = ROLE.split(":")[4]
+    assert iam.calls[1]["ResourceArns"] == [f"arn:aws:kms:eu-west-1:{account}:key/k-1"]
+    message = str(info.value)
+    assert "may not s3:PutObject, kms:GenerateDataKey" in message
+    policy = json.loads(message[message.index("{") :])
+    assert [s["Resource"] for s in policy["Statement"]] == [
+        "arn:aws:s3:::bucket/p/*",
+        f"arn:aws:kms:eu-west-1:{account}:key/k-1",
+    ]
+    # a caller who may not simulate is warned, not stopped
+    said.clear()
+    check_store_access(
+        RecordingIam(fail=RuntimeError("AccessDenied")), ROLE, "s3://b/p", progress=said.append
+    )
+    assert said[0].startswith("warning: could not check") and "s3:PutObject" in said[0]

@@ -50,6 +50,7 @@ def build(args: Mapping[str, Any]) -> Any:
         ray_actor_options={"num_gpus": gpus_per_replica, "num_cpus": REPLICA_CPUS},
         request_router_config={
             "request_router_class": SessionAffinityRouter,
+            "request_router_kwargs": {"resume_anywhere": _has_shared_store(args.get("settings"))},
             "request_routing_stats_period_s": 1,
             "request_routing_stats_timeout_s": 5,
         },
@@ -64,6 +65,13 @@ def build(args: Mapping[str, Any]) -> Any:
         name="Ingress", max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0}
     )(Ingress)
     return ingress.bind(replica)
+
+
+def _has_shared_store(settings: Mapping[str, Any] | None) -> bool:
+    """Whether the replicas keep sessions in a shared store (settings, or the environment)."""
+    from llava.core.config import ServerConfig
+
+    return bool(ServerConfig.from_mapping(settings or {}, os.environ).session_store)
 
 
 def _cluster_gpus(ray: Any) -> float:

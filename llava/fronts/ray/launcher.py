@@ -183,6 +183,16 @@ class RayCluster:
                 raise RuntimeError(f"Ray node {nodes} did not start: see {self.workdir}")
             time.sleep(1)
 
+    def stop_node(self, index: int) -> None:
+        """Take one node out, as a drained or lost machine: `ray stop` of what it started."""
+        proc = self.procs[index]
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
     def stop(self) -> None:
         """Stop the workers, then the head (each `ray start --block` stops what it started)."""
         for proc in reversed(self.procs):

@@ -10,7 +10,10 @@ A session whose replica is gone waits (with Ray's backoff) for a replica of the 
 gives a replacement the rank of the replica it replaces, the replacement reports it in its
 routing stats, and it restores that replica's sessions from their snapshots. After
 `ORPHAN_WAIT_S` with none, it goes to the least loaded replica, which answers
-`session_not_found`.
+`session_not_found`. With a shared session store (`resume_anywhere`: a replica scaled in, or
+its node drained or lost, gets no replacement) such a session goes at once to one replica
+chosen by rendezvous hashing of its id over those running, the same one for every request
+while they run, which resumes it from the store.
 
 Ray 2.55's routing tasks assume a FIFO router (any task may hand its replica to the oldest
 request); a router that answers one request at a time, as this one must, loses two things there
@@ -23,6 +26,7 @@ by one that routes each request it takes to the end and stops when none is left.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from typing import Any
@@ -51,6 +55,7 @@ class SessionAffinityRouter(RequestRouter):
         burst of opens spreads instead of all going to the replica that was emptiest a second
         ago: routed or still being routed, as concurrent routing tasks choose at once."""
         self._opens: dict[ReplicaID, tuple[dict[str, Any], set[str]]] = {}
+        self._resume_anywhere = bool(kwargs.get("resume_anywhere"))
 
     async def choose_replicas(
         self,
@@ -66,6 +71,8 @@ class SessionAffinityRouter(RequestRouter):
             holder = holder or [r for r in candidate_replicas if _stats(r).get("rank") == rank]
             if holder:
                 return [holder]
+            if self._resume_anywhere and candidate_replicas:
+                return [[rendezvous(route, candidate_replicas)]]  # type: ignore[arg-type]
             waited = time.time() - pending_request.created_at if pending_request else 0.0
             if waited < ORPHAN_WAIT_S:
                 pending_request.routing_context.should_backoff = True  # type: ignore[union-attr]
@@ -144,6 +151,16 @@ class SessionAffinityRouter(RequestRouter):
         used = stats.get("device_bytes", 0)
         average = used / stats["sessions"] if stats.get("sessions") else 1.0
         return used + len(self._recent(replica.replica_id)) * average
+
+
+def rendezvous(sid: str, replicas: list[RunningReplica]) -> RunningReplica:
+    """Pick the replica with the highest hash of (session id, replica id): stable while the
+    replicas stay, and only the sessions of a replica that goes move when the set changes."""
+
+    def weight(replica: RunningReplica) -> bytes:
+        return hashlib.sha256(f"{sid}/{replica.replica_id.unique_id}".encode()).digest()
+
+    return max(replicas, key=weight)
 
 
 def _stats(replica: RunningReplica) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from llava.tools.deploy.endpoint import Deployment, deploy
 from llava.tools.deploy.errors import DeployError, EndpointExistsError
 from llava.tools.deploy.names import validate_name
 from llava.tools.deploy.spec import DeploySpec
+from llava.tools.deploy.store_access import check_store_access
 from llava.tools.deploy.teardown import DeleteReport, delete
 from llava.tools.deploy.upload import upload_archive
 
@@ -67,6 +68,13 @@ def add_deploy_arguments(parser: Any) -> None:
     parser.add_argument(
         "--env", action="append", metavar="KEY=VALUE", help="extra container variable; repeatable"
     )
+    parser.add_argument(
+        "--session-store",
+        metavar="S3_URI",
+        help="keep sessions in s3://bucket/prefix so they outlive their instance (the role's "
+        "access is checked first)",
+    )
+    parser.add_argument("--session-store-kms-key", metavar="KEY", help="SSE-KMS key id or ARN")
     parser.add_argument("--download-timeout", type=int, default=1800, help="seconds (60-3600)")
     parser.add_argument("--startup-timeout", type=int, default=1800, help="seconds (60-3600)")
     parser.add_argument(
@@ -91,6 +99,18 @@ def add_delete_arguments(parser: Any) -> None:
     parser.add_argument("--ecr-repository", help="also delete this ECR repository and its images")
     parser.add_argument("--no-wait", action="store_true", help="do not wait for the endpoint")
     parser.add_argument("--region", help="AWS region (default: the AWS configuration's)")
+
+
+def _store_settings(args: Any) -> dict[str, str]:
+    """The worker settings `--session-store` and `--session-store-kms-key` stand for."""
+    out = {}
+    if args.session_store:
+        out["session_store"] = args.session_store
+    if args.session_store_kms_key:
+        if not args.session_store:
+            raise ValueError("--session-store-kms-key goes with --session-store")
+        out["session_store_kms_key"] = args.session_store_kms_key
+    return out
 
 
 def _bucket_region(s3: Any, bucket: str) -> str:
@@ -128,7 +148,7 @@ def run_deploy(args: Any) -> Deployment:
             instance_type=args.instance_type,
             instance_count=args.instance_count,
             session_ttl_s=args.ttl,
-            settings=_pairs(args.setting, "--setting"),
+            settings={**_pairs(args.setting, "--setting"), **_store_settings(args)},
             env=_pairs(args.env, "--env"),
             model_data_download_timeout_s=args.download_timeout,
             container_startup_health_check_timeout_s=args.startup_timeout,
@@ -137,6 +157,15 @@ def run_deploy(args: Any) -> Deployment:
             memory_mb=args.memory_mb,
             copy_count=args.copy_count,
         )
+        if args.session_store:
+            iam = boto3.client("iam", region_name=region)
+            check_store_access(
+                iam,
+                role_arn,
+                args.session_store,
+                kms_key=args.session_store_kms_key or "",
+                region=region,
+            )
         existing = describe_or_none(sm.describe_endpoint, EndpointName=name)
         if existing is not None and not args.update:  # fail before a long build and upload
             raise EndpointExistsError(
