@@ -1019,6 +1019,6 @@ def test_the_roles_access_to_the_session_store_is_checked_before_deploying() -> 
     # a caller who may not simulate is warned, not stopped
     said.clear()
     check_store_access(
-        RecordingIam(fail=RuntimeError("AccessDenied")), ROLE, "s3://b/p", progress=said.append
+        RecordingIam(fail=RuntimeError("AccessDenied")), ROLE, "s3://bucket/p", progress=said.append
     )
     assert said[0].startswith("warning: could not check") and "s3:PutObject" in said[0]
