@@ -356,3 +356,25 @@ def test_a_draining_instance_takes_no_new_session_and_flushes_every_held_one(
     assert readings[("LlavaStorePending", ("Store", "shared"))] == 0
     inst.service.close()
     inst.shared.close()
+
+
+def test_a_restarted_worker_leaves_to_the_store_what_it_holds(
+    tiny_checkpoint, tmp_path, s3_url, reference
+) -> None:
+    """The store's copy may be newer than this disk's (another instance may have answered since):
+    a new worker resumes such a session from the store, not from its local snapshot."""
+    picture = make_image(63)
+    first = instance(tiny_checkpoint, tmp_path, s3_url, "restart")
+    sid = call(first, {"type": "open_session", "image": data_uri(picture)})[1]["session_id"]
+    answer = ask(first, sid, PROMPTS[0])[1]["text"]
+    assert first.shared.flush(10) and first.snapshots is not None
+    first.snapshots.flush()
+    first.service.close()
+    first.shared.close()  # the worker dies; its registry and snapshots stay on the disk
+    second = instance(tiny_checkpoint, tmp_path, s3_url, "restart")
+    assert second.service.store.peek(sid) is None  # not restored from the disk at start-up
+    status, reply = ask(second, sid, PROMPTS[1])
+    assert status == 200 and reply["usage"]["session_tier"] == "store"
+    assert [answer, reply["text"]] == reference.answers(picture, PROMPTS[:2], TOKENS)
+    second.service.close()
+    second.shared.close()
