@@ -16,7 +16,7 @@ from llava.client.inline import image_ref
 from llava.client.lines import ndjson_lines
 from llava.client.response import Response
 from llava.client.transports import HttpTransport, SageMakerTransport, Transport
-from llava.core.errors import KitError, SessionBusy, SessionClosed, SessionError
+from llava.core.errors import KitError, SessionBusy, SessionClosed, SessionError, SessionLost
 
 # Named for the package, as before the split, so logging configuration keeps matching.
 log = logging.getLogger("llava.client")
@@ -343,13 +343,14 @@ class Session:
             yield from rest
 
     def _resuming(self, call: Callable[[], T]) -> T:
-        """Make a call; if the router no longer knows the session (its instance went away:
-        SageMaker's 400 ValidationError), resume it from the endpoint's shared store once and
-        call again. (An instance that gets the request looks in the store by itself.)"""
+        """Make a call; if the session was lost (`session_lost`) or the router no longer knows
+        it (its instance went away: SageMaker's 400 ValidationError), resume it from the
+        endpoint's shared store once and call again."""
         try:
             return call()
-        except EndpointError as exc:
-            if exc.error_code != "ValidationError" or exc.status != 400:
+        except (SessionLost, EndpointError) as exc:
+            forgot = isinstance(exc, EndpointError) and exc.error_code == "ValidationError"
+            if isinstance(exc, EndpointError) and not (forgot and exc.status == 400):
                 raise
             try:
                 self.client.resume(self.id)

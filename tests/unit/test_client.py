@@ -182,6 +182,10 @@ def test_a_session_the_router_forgot_is_resumed_from_the_store_and_asked_again()
         ("query", None, SID),
         ("close_session", None, SID),
     ]
+    t = RecordingTransport(OPENED, err(400, "session_lost"), OPENED, answer, CLOSED)
+    with SessionClient(t).session(image="https://x/y.png") as s:
+        assert s.ask("What is it?").text == "a cat"  # lost where it was, kept in the store
+    assert t.calls[2][1] == {"type": "open_session", "resume": SID}
     t = RecordingTransport(OPENED, forgot, err(400, "session_not_found"), CLOSED)
     with SessionClient(t).session(image="https://x/y.png") as s, pytest.raises(EndpointError):
         s.ask("What is it?")  # not in the store either: the router's own error stands

@@ -319,6 +319,25 @@ def test_a_damaged_or_expired_stored_state_costs_its_own_session_only(pair, s3_u
     assert status == 200 and body["usage"]["session_tier"] == "store"
 
 
+def test_a_stored_state_of_another_model_costs_its_own_session_only(pair, s3_url) -> None:
+    """Sealed for this store and this session, but taken with another checkpoint (an update
+    that changed the model): refused by the engine's fingerprint check."""
+    from test_snapshots import with_meta
+
+    a, b = pair
+    sid = call(a, {"type": "open_session", "image": data_uri(make_image(55))})[1]["session_id"]
+    assert a.shared.flush(10)
+    key = store_key(f"s3://{BUCKET}/endpoint/llava")
+    payload = a.shared.fetch(sid).result(10)
+    other = with_meta(payload, lambda meta: meta.update(model="another-checkpoint"))
+    raw(s3_url).put_object(
+        Bucket=BUCKET, Key=f"endpoint/llava/{sid}.snap", Body=seal(key, sid, other)
+    )
+    status, body = ask(b, sid, "Hello?")
+    assert status == 400 and body["error"]["code"] == "session_lost"
+    assert "different model" in body["error"]["message"]
+
+
 def test_with_no_store_nothing_leaves_the_instance(tiny_checkpoint, tmp_path, s3_url) -> None:
     from llava.fronts.assembly import assemble
 
