@@ -127,6 +127,33 @@ def test_same_seed_gives_identical_files(tmp_path: Path) -> None:
     assert (one / "tokenizer.json").read_bytes() == (other / "tokenizer.json").read_bytes()
 
 
+@pytest.mark.parametrize("profile", ["tiny", "onevision"])
+def test_checkpoints_are_written_in_the_hubs_layout_and_load_alike(
+    profile: str, tmp_path: Path
+) -> None:
+    """vLLM reads llava-hf's hub layout only (`vision_tower.vision_model.*`), transformers
+    both: the kit's checkpoints, built and trained, are in the hub's."""
+    from safetensors import safe_open
+    from transformers import AutoModelForImageTextToText
+
+    from llava.core.paths import CHECKOUT
+    from llava.tools.tiny.hub_layout import hub_key, to_hub_layout
+
+    built = build_checkpoint(tmp_path / profile, profile)
+    for directory in (built, CHECKOUT / "models" / "shapes"):
+        with safe_open(directory / "model.safetensors", "pt") as f:
+            tower = [k for k in f.keys() if "vision_tower." in k]  # noqa: SIM118
+        assert tower and all(".vision_tower.vision_model." in f".{k}" for k in tower), tower[:3]
+    loaded = AutoModelForImageTextToText.from_pretrained(built).state_dict()
+    assert to_hub_layout(built) == 0  # already the hub's: nothing to rename
+    assert (
+        hub_key("model.vision_tower.embeddings.x") == "model.vision_tower.vision_model.embeddings.x"
+    )
+    assert hub_key("language_model.model.vision_tower.x") == "language_model.model.vision_tower.x"
+    again = AutoModelForImageTextToText.from_pretrained(built).state_dict()
+    assert loaded.keys() == again.keys() and all(torch.equal(loaded[k], again[k]) for k in loaded)
+
+
 def test_llava15_profile_has_576_image_tokens(tmp_path: Path) -> None:
     checkpoint = build_checkpoint(tmp_path / "llava15", "llava15")
     processor = AutoProcessor.from_pretrained(checkpoint)

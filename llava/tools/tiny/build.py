@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from llava.tools.tiny.hub_layout import to_hub_layout
 from llava.tools.tiny.profiles import PROFILES, TinySpec
 from llava.tools.tiny.templates import CHATML_INTERLEAVE, CHATML_ONEVISION, LLAVA15, MISTRAL_NEXT
 from llava.tools.tiny.tokenizers import (
@@ -98,6 +99,7 @@ def _write_checkpoint(
         pad_token_id=tokenizer.pad_token_id,
     )
     model.save_pretrained(out)
+    to_hub_layout(out)
     processor.save_pretrained(out)
     if spec.family == "llava_onevision":
         (out / "video_preprocessor_config.json").write_text(json.dumps(_video_config(spec)))

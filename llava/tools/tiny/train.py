@@ -22,6 +22,7 @@ from typing import Any
 
 from llava.core.paths import CHECKOUT
 from llava.tools.tiny.build import family_parts, model_config, write_staged
+from llava.tools.tiny.hub_layout import to_hub_layout
 from llava.tools.tiny.profiles import PROFILES
 from llava.tools.tiny.scenes import Scene, Turn, describe, dialogue, draw_scene
 from llava.tools.tiny.tokenizers import CORPUS, train_llama_tokenizer
@@ -204,6 +205,7 @@ def train(out: str | Path = SHIPPED, recipe: Recipe = Recipe(), *, overwrite: bo
     def write(staging: Path) -> None:
         # Half precision halves the committed file (a few MB); loading upcasts it exactly.
         model.to(torch.float16).save_pretrained(staging)
+        to_hub_layout(staging)
         processor.save_pretrained(staging)
         (staging / "recipe.json").write_text(json.dumps(asdict(recipe), indent=1) + "\n")
         (staging / "README.md").write_text(_readme(recipe, model, minutes))
