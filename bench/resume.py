@@ -116,10 +116,13 @@ def main(argv: list[str] | None = None) -> None:
                 answer = ask(a, sid_a, prompt)[1]["text"]
                 ask(c, sid_c, prompt)
                 history.append([prompt, answer])
-            for prompt in prompts[2:]:  # follow-ups, store on and off, interleaved
+            for k, prompt in enumerate(prompts[2:]):  # store on and off, each first in turn
+                if (n + k) % 2:
+                    off.append(ask(c, sid_c, prompt)[1]["usage"]["ttft_ms"])
                 reply = ask(a, sid_a, prompt)[1]
                 on.append(reply["usage"]["ttft_ms"])
-                off.append(ask(c, sid_c, prompt)[1]["usage"]["ttft_ms"])
+                if not (n + k) % 2:
+                    off.append(ask(c, sid_c, prompt)[1]["usage"]["ttft_ms"])
                 history.append([prompt, reply["text"]])
             a.shared.flush(30)
             sizes.append(a.shared.size_of(sid_a))
