@@ -349,7 +349,11 @@ class Session:
         try:
             return call()
         except (SessionLost, EndpointError) as exc:
-            forgot = isinstance(exc, EndpointError) and exc.error_code == "ValidationError"
+            forgot = (  # SageMaker's router: "Session id ... not found, closed or expired"
+                isinstance(exc, EndpointError)
+                and exc.error_code == "ValidationError"
+                and "session" in str(exc).lower()
+            )
             if isinstance(exc, EndpointError) and not (forgot and exc.status == 400):
                 raise
             try:

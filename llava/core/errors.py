@@ -16,6 +16,7 @@
     │   └── SessionBusy (409 session_busy)
     ├── CapacityExceeded (429 capacity_exceeded)
     ├── Draining (503 draining)
+    ├── StoreUnavailable (503 store_unavailable)
     └── Cancelled (499 cancelled)
 
 The handler answers each request with `error.to_body()` and `error.status`; anything that is
@@ -126,6 +127,16 @@ class Draining(KitError):
     status, code = 503, "draining"
 
     def __init__(self, message: str, *, retry_after_s: int = 1, **details: Any) -> None:
+        super().__init__(message, retry_after_s=retry_after_s, **details)
+        self.retry_after_s = retry_after_s
+
+
+class StoreUnavailable(KitError):
+    """The shared session store could not be read (down, or too busy): retry shortly."""
+
+    status, code = 503, "store_unavailable"
+
+    def __init__(self, message: str, *, retry_after_s: int = 2, **details: Any) -> None:
         super().__init__(message, retry_after_s=retry_after_s, **details)
         self.retry_after_s = retry_after_s
 

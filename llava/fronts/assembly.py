@@ -35,6 +35,11 @@ class Instance:
         from llava.server.draining import drain
 
         def flush(timeout_s: float) -> bool:
+            if self.shared is not None:  # nothing steps now: save what the store never got
+                dirty = self.shared.dirty()
+                for session in self.service.store.snapshot():
+                    if session.id in dirty:
+                        self.service.keeper.keep(session)
             if self.snapshots is not None:
                 self.snapshots.flush()
             return self.shared is None or bool(self.shared.flush(timeout_s))
@@ -88,6 +93,13 @@ def open_shared_store(config: ServerConfig, name: str) -> Any:
     from llava.sessions.shared import SharedStore
 
     location = StoreLocation.parse(config.session_store).under(safe_name(name))
+    if not config.session_store_secret:
+        log.warning(
+            "the session store has no secret (session_store_secret): anyone who can write to "
+            "%s can put a conversation there that instances will resume; set "
+            "LLAVA_SESSION_STORE_SECRET",
+            location.uri,
+        )
     objects = S3Objects.connect(
         location.bucket,
         endpoint_url=config.session_store_endpoint,

@@ -22,8 +22,19 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Generic
 
-from llava.core.errors import SessionExpired, SessionLost, SessionNotFound
+from llava.api.headers import CLOSED_SESSION_HEADER
+from llava.api.replies import Reply, json_reply
+from llava.api.session_api import CloseSession, OpenSession
+from llava.core.errors import (
+    CapacityExceeded,
+    Draining,
+    SessionExpired,
+    SessionLost,
+    SessionNotFound,
+    StoreUnavailable,
+)
 from llava.server.contract import Engine, StateT, TurnT
+from llava.server.draining import session_of
 from llava.sessions.session import CLOSED, EXPIRED, Session
 from llava.sessions.shared import NotStored, SharedStore
 from llava.sessions.snapshots import CorruptSnapshot
@@ -39,9 +50,11 @@ class Resuming:
     """A request waiting for its session's state to be read from the shared store."""
 
     sid: str
-    data: Future[bytes]
+    data: Future[Any]  # the state's bytes (or, to refuse, the moment it is stored)
     item: Any  # the request as it arrived (admitted again once the session is here)
     explicit: bool = False  # an `open_session` with `resume`: answered like an open
+    close: bool = False  # a `close_session`: the stored state is deleted, never restored
+    refuse: bool = False  # refused (the instance is stopping) once its latest state is stored
 
 
 class SessionResumer(Generic[StateT, TurnT]):
@@ -61,21 +74,58 @@ class SessionResumer(Generic[StateT, TurnT]):
         self._wall_clock = wall_clock
 
     def wanted(self, sid: str | None) -> bool:
-        """Whether a request for `sid` should wait for the store: not held, not ended by its
-        user here."""
-        if not sid or self.store.peek(sid) is not None:
+        """Whether a request for `sid` should wait for the store: not held here (not even
+        closing), not ended by its user here."""
+        if not sid or sid in self.store:
             return False
         return self.store.ended(sid) not in (CLOSED, EXPIRED)
 
-    def begin(self, sid: str, item: Any, *, explicit: bool = False) -> Resuming:
-        """Start reading `sid`'s state (on a reader thread)."""
-        return Resuming(sid, self.shared.fetch(sid), item, explicit)
+    def admit(self, request: Any, item: Any, stopping: bool) -> Resuming | None:
+        """Return the work of a request that must wait on the store, or None.
 
-    def finish(self, work: Resuming) -> Session:
-        """Restore a session whose state has been read; raise the error its request gets."""
-        held = self.store.peek(work.sid)
-        if held is not None:  # another request for it restored it meanwhile
-            return held
+        A stopping instance refuses a held session's request (its router then sends it to
+        another instance, which resumes it from the store) only once that session's latest
+        state is stored: else the other instance would resume it a turn behind."""
+        sid = session_of(request)
+        if stopping:
+            if sid is not None and sid in self.store and self.shared.pending(sid):
+                return Resuming(sid, self.shared.settled(sid), item, refuse=True)
+            return None
+        if not self.wanted(sid):
+            return None
+        assert sid is not None
+        explicit = isinstance(request, OpenSession)
+        return self.begin(sid, item, explicit=explicit, close=isinstance(request, CloseSession))
+
+    def arrived(self, work: Resuming, opener: Any) -> Reply | None:
+        """Answer a request whose session's state was read, or return None to admit it now
+        (its session is here)."""
+        if work.refuse:
+            raise Draining("this instance is shutting down; send the request again")
+        session = self.finish(work)
+        if session is None:  # a close: deleted from the store
+            return closed_reply(work.sid)
+        return opener.opened_reply(session) if work.explicit else None
+
+    def begin(
+        self, sid: str, item: Any, *, explicit: bool = False, close: bool = False
+    ) -> Resuming:
+        """Start reading `sid`'s state (on a reader thread); refuse at once when this instance
+        has no room for another session."""
+        if not close and len(self.store) >= self.store.max_sessions:
+            raise CapacityExceeded(
+                f"all {self.store.max_sessions} session slots are in use; retry later",
+                retry_after_s=max(1, int(min(self.store.ttl_s, 30))),
+            )
+        return Resuming(sid, self.shared.fetch(sid), item, explicit, close)
+
+    def finish(self, work: Resuming) -> Session | None:
+        """Restore a session whose state has been read (None for a close: its stored state is
+        deleted, not restored); raise the error its request gets."""
+        if work.sid in self.store:  # another request for it restored it meanwhile
+            return self.store.get(work.sid)
+        if self.store.ended(work.sid) in (CLOSED, EXPIRED):  # ended here while being read
+            raise self.store.missing(work.sid)
         try:
             data = work.data.result()
         except NotStored:
@@ -85,6 +135,17 @@ class SessionResumer(Generic[StateT, TurnT]):
             raise SessionLost(
                 f"session {work.sid} was lost: its stored state is damaged ({exc}); open a new one"
             ) from None
+        except StoreUnavailable:
+            raise
+        except Exception as exc:  # the store is down, or refuses us: the session may be fine
+            log.warning("session %s: the shared store cannot be read: %s", work.sid, exc)
+            raise StoreUnavailable(
+                f"the session store cannot be read now ({type(exc).__name__}); retry shortly"
+            ) from None
+        if work.close:  # it exists: delete it, restore nothing
+            self.shared.remove(work.sid, CLOSED)
+            self.store.load_tombstones([work.sid], CLOSED)
+            return None
         try:
             state, extra = self.engine.resume(data)
         except ValueError as exc:  # another model's, or not a snapshot: this session only
@@ -103,7 +164,17 @@ class SessionResumer(Generic[StateT, TurnT]):
             )
         info = dict(extra.get("info") or {})
         info[RESUMED] = True
-        session = self.store.restore(work.sid, state, state.nbytes, expires_at, info)
+        if len(self.store) >= self.store.max_sessions:
+            self.engine.release(state)
+            raise CapacityExceeded(
+                f"all {self.store.max_sessions} session slots are in use; retry later",
+                retry_after_s=max(1, int(min(self.store.ttl_s, 30))),
+            )
+        try:
+            session = self.store.restore(work.sid, state, state.nbytes, expires_at, info)
+        except BaseException:
+            self.engine.release(state)
+            raise
         log.info("session %s resumed from the shared store", work.sid)
         return session
 
@@ -113,6 +184,12 @@ class SessionResumer(Generic[StateT, TurnT]):
                 f"session {sid} was lost (its state could not be kept); open a new one"
             )
         return SessionNotFound(f'no session {sid}; open one with "open_session"')
+
+
+def closed_reply(sid: str) -> Reply:
+    """The reply to `close_session`: SageMaker's closed-session header unpins the id."""
+    body = {"session_id": sid, "closed": True, "success": True}
+    return json_reply(body, {CLOSED_SESSION_HEADER: sid})
 
 
 def resumed_usage(session: Session) -> dict[str, Any]:

@@ -23,7 +23,6 @@ from concurrent.futures import FIRST_COMPLETED, wait
 from typing import Any, Generic
 
 from llava.api.dispatch import parse_request
-from llava.api.headers import CLOSED_SESSION_HEADER
 from llava.api.openai import ChatCompletion, ListModels, models_body
 from llava.api.replies import (
     KitReplies,
@@ -39,12 +38,12 @@ from llava.core.params import Limits
 from llava.images.background import BackgroundImages, ImageSource
 from llava.server.chats import ChatDesk
 from llava.server.contract import Engine, StateT, TurnT
-from llava.server.draining import refuse_if_draining, session_of, stopped_replies
+from llava.server.draining import refuse_if_draining, stopped_replies
 from llava.server.inflight import Answering, Fetching, Incoming, Opening
 from llava.server.keeping import Keeper
 from llava.server.opening import SessionOpener
 from llava.server.out_of_memory import step_with_retry
-from llava.server.resuming import Resuming, SessionResumer, resumed_usage
+from llava.server.resuming import Resuming, SessionResumer, closed_reply, resumed_usage
 from llava.sessions.session import LOST, Session
 from llava.sessions.shared import SharedStore
 from llava.sessions.snapshots import SnapshotDir
@@ -150,12 +149,13 @@ class SessionService(Generic[StateT, TurnT]):
         request = parse_request(item.body, item.headers, self.limits)
         if isinstance(request, ListModels):
             return json_reply(models_body(self.model_name, self.started))
+        if self.resumer is not None and self.stopping:  # held: refused once stored
+            waiting = self.resumer.admit(request, item, stopping=True)
+            if waiting is not None:
+                return self._put(item.request_id, waiting)
         refuse_if_draining(request, self.draining, self.stopping)
-        sid = session_of(request)
-        if self.resumer is not None and self.resumer.wanted(sid):
-            assert sid is not None
-            explicit = isinstance(request, OpenSession)
-            return self._put(item.request_id, self.resumer.begin(sid, item, explicit=explicit))
+        if self.resumer is not None and (waiting := self.resumer.admit(request, item, False)):
+            return self._put(item.request_id, waiting)
         if isinstance(request, OpenSession) and request.resume is not None:  # held here
             return self.opener.opened_reply(self.store.get(request.resume))
         if isinstance(request, ChatCompletion):
@@ -181,20 +181,15 @@ class SessionService(Generic[StateT, TurnT]):
         if isinstance(request, Rollback):
             return self._rollback(request)
         assert isinstance(request, CloseSession)
-        session = self.store.close(request.session_id)
-        body = {"session_id": session.id, "closed": True, "success": True}
-        return json_reply(body, {CLOSED_SESSION_HEADER: session.id})
+        return closed_reply(self.store.close(request.session_id).id)
 
     def _resumed(self, request_id: str, work: Resuming) -> Reply | None:
         """A session's stored state is read: restore it, then admit its request."""
         del self._work[request_id]
-        try:
-            session = self.resumer.finish(work)  # type: ignore[union-attr]
-        except Exception as exc:
-            return error_reply(as_kit_error(exc))
-        if work.explicit:
-            return self.opener.opened_reply(session)
-        return self._guard(self._admit, work.item)
+        assert self.resumer is not None
+        resumer, opener = self.resumer, self.opener
+        reply = self._guard(lambda _: resumer.arrived(work, opener), None)
+        return reply if reply is not None else self._guard(self._admit, work.item)
 
     def _rollback(self, request: Rollback) -> Reply:
         """Undo a session's last question and answer (a regenerate then reuses its cache)."""

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+from llava.core.errors import StoreUnavailable
 from llava.sessions.objects import ObjectStore, StoreLocation
 from llava.sessions.sealed import seal, store_key, unseal
 from llava.sessions.session import CLOSED, EVICTED
@@ -37,6 +38,9 @@ log = logging.getLogger(__name__)
 
 MAX_OBJECT_BYTES = 1 << 30  # a 7B session's snapshot is ~5 MB; refuse anything absurd
 ATTEMPTS = 4  # tries of one write before it is given up (counted as a failure)
+MAX_READS = 64  # reads waiting or running at once; past it a resume is refused (503)
+SETTLE_S = 30.0  # how long a read waits for this instance's own pending write of the session
+WRITTEN_MEMORY = 65_536  # sessions whose last object's ETag is remembered (conditional deletes)
 
 
 class NotStored(LookupError):
@@ -96,7 +100,10 @@ class SharedStore:
         self._clock = clock
         self._pending: OrderedDict[str, _Write] = OrderedDict()  # oldest first
         self._busy: tuple[str, _Write] | None = None  # the write in progress
-        self._ours: dict[str, str] = {}  # session id -> ETag of the object this instance wrote
+        # session id -> ETag of the object this instance wrote last (oldest first, bounded)
+        self._ours: OrderedDict[str, str] = OrderedDict()
+        self._dirty: set[str] = set()  # sessions whose latest state was never stored (gave up)
+        self._reads = 0
         self._counts = {"writes": 0, "deletes": 0, "failures": 0, "dropped": 0, "resumes": 0}
         self._bytes: dict[str, int] = {}
         self._cond = threading.Condition()
@@ -115,8 +122,25 @@ class SharedStore:
     def remove(self, sid: str, reason: str) -> None:
         """Queue the deletion of `sid`'s object for a session that ended for `reason`."""
         if reason == EVICTED:  # not ended for the user: it resumes from the store next time
+            with self._cond:
+                self._bytes.pop(sid, None)  # no longer held here
             return
         self._queue(sid, _Write(None, self._clock(), only_if_ours=reason != CLOSED))
+
+    def pending(self, sid: str) -> bool:
+        """Tell whether a write or deletion of `sid` is queued or in progress."""
+        with self._cond:
+            return sid in self._pending or (self._busy is not None and self._busy[0] == sid)
+
+    def settled(self, sid: str) -> Future[None]:
+        """Return a future done once no write of `sid` is pending (on a reader thread)."""
+        return self._readers.submit(self._settle, sid)
+
+    def dirty(self) -> set[str]:
+        """Return the sessions whose latest state is not in the store (its write was given up
+        or dropped): a drain saves them again."""
+        with self._cond:
+            return set(self._dirty)
 
     def size_of(self, sid: str) -> int:
         """Bytes of `sid`'s object as this instance last wrote it (0 when none)."""
@@ -140,10 +164,34 @@ class SharedStore:
 
     # -- readers ---------------------------------------------------------------------------
     def fetch(self, sid: str) -> Future[bytes]:
-        """Read `sid`'s snapshot on a reader thread: NotStored, CorruptSnapshot or the bytes."""
+        """Read `sid`'s snapshot on a reader thread: NotStored, CorruptSnapshot or the bytes.
+        Refuses (StoreUnavailable) while MAX_READS reads wait already: a flood of unknown ids
+        must not hold up real resumes behind it."""
+        with self._cond:
+            if self._reads >= MAX_READS:
+                raise StoreUnavailable(
+                    f"{self._reads} session-store reads are waiting; retry shortly"
+                )
+            self._reads += 1
         return self._readers.submit(self._read, sid)
 
+    def _settle(self, sid: str) -> None:
+        deadline = time.monotonic() + SETTLE_S
+        with self._cond:
+            while (
+                sid in self._pending or (self._busy is not None and self._busy[0] == sid)
+            ) and time.monotonic() < deadline:
+                self._cond.wait(deadline - time.monotonic())
+
     def _read(self, sid: str) -> bytes:
+        try:
+            self._settle(sid)  # this instance's own newer state first (an evicted session's)
+            return self._get(sid)
+        finally:
+            with self._cond:
+                self._reads -= 1
+
+    def _get(self, sid: str) -> bytes:
         data = self.objects.get(self.location.key(sid), MAX_OBJECT_BYTES)
         if data is None:
             raise NotStored(sid)
@@ -196,14 +244,15 @@ class SharedStore:
                 return
             self._pending.pop(sid, None)  # only the latest state of a session matters
             self._pending[sid] = write
-            while len(self._pending) > self.max_pending:
-                old, dropped = self._pending.popitem(last=False)
+            puts = [s for s, w in self._pending.items() if w.produce is not None]
+            for old in puts[: max(0, len(self._pending) - self.max_pending)]:
+                del self._pending[old]  # deletions are never dropped: a closed chat must go
+                self._dirty.add(old)
                 self._counts["dropped"] += 1
                 log.warning(
                     "shared session store: %d writes pending (the store is slow or down); "
-                    "dropped the %s of %s, which a lost instance would lose",
+                    "dropped the write of %s, which a lost instance would lose",
                     len(self._pending),
-                    "write" if dropped.produce is not None else "deletion",
                     old,
                 )
             self._cond.notify_all()
@@ -232,17 +281,25 @@ class SharedStore:
             data = seal(self._key, sid, write.produce())
             etag = self.objects.put(key, data)
             with self._cond:
+                self._ours.pop(sid, None)
                 self._ours[sid] = etag
+                while len(self._ours) > WRITTEN_MEMORY:
+                    self._ours.popitem(last=False)
                 self._bytes[sid] = len(data)
+                self._dirty.discard(sid)
                 self._counts["writes"] += 1
             return
         with self._cond:
-            ours = self._ours.pop(sid, None)
+            ours = self._ours.get(sid)
             self._bytes.pop(sid, None)
+            self._dirty.discard(sid)
         if write.only_if_ours and (ours is None or self.objects.etag(key) != ours):
+            with self._cond:
+                self._ours.pop(sid, None)
             return  # another instance resumed it and wrote since (or we never wrote it)
         self.objects.delete(key)
         with self._cond:
+            self._ours.pop(sid, None)
             self._counts["deletes"] += 1
 
     def _failed(self, sid: str, write: _Write, exc: Exception) -> None:
@@ -251,6 +308,8 @@ class SharedStore:
             retry = write.attempts < ATTEMPTS and sid not in self._pending and not self._closed
             if not retry:
                 self._counts["failures"] += 1
+                if write.produce is not None and sid not in self._pending:
+                    self._dirty.add(sid)
         if not retry:
             log.warning(
                 "shared session store: gave up the %s of session %s after %d tries (%s: %s); "

@@ -166,10 +166,10 @@ class SessionStore:
         with self._lock:
             session = self._sessions.get(sid)
             if session is None or session.closing:
-                raise self._missing(sid)
+                raise self.missing(sid)
             if self._idle_for(session) > self.ttl_s and not session.busy:
                 self._end(session, EXPIRED)
-                raise self._missing(sid)
+                raise self.missing(sid)
             session.last_used = self._clock()
             self._sessions.move_to_end(sid)
             return session
@@ -320,7 +320,8 @@ class SessionStore:
     def _idle_for(self, session: Session) -> float:
         return self._clock() - session.last_used
 
-    def _missing(self, sid: str) -> Exception:
+    def missing(self, sid: str) -> Exception:
+        """Return the precise error for a session this store does not hold."""
         reason = self._ended.get(sid)
         if reason is None:
             return SessionNotFound(f'no session {sid}; open one with "open_session"')

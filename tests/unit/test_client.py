@@ -170,7 +170,11 @@ def test_close_retries_while_the_session_is_busy_and_ignores_a_gone_session():
 
 
 def test_a_session_the_router_forgot_is_resumed_from_the_store_and_asked_again():
-    forgot = EndpointError("ValidationError: not found", error_code="ValidationError", status=400)
+    forgot = EndpointError(
+        "ValidationError: Session id x is not found, closed or expired.",
+        error_code="ValidationError",
+        status=400,
+    )
     answer = ok({"session_id": SID, "text": "a cat", "usage": USAGE})
     t = RecordingTransport(OPENED, forgot, OPENED, answer, CLOSED)
     with SessionClient(t).session(image="https://x/y.png") as s:
@@ -186,6 +190,11 @@ def test_a_session_the_router_forgot_is_resumed_from_the_store_and_asked_again()
     with SessionClient(t).session(image="https://x/y.png") as s:
         assert s.ask("What is it?").text == "a cat"  # lost where it was, kept in the store
     assert t.calls[2][1] == {"type": "open_session", "resume": SID}
+    other = EndpointError("ValidationError: bad body", error_code="ValidationError", status=400)
+    t = RecordingTransport(OPENED, other, CLOSED)
+    with SessionClient(t).session(image="https://x/y.png") as s, pytest.raises(EndpointError):
+        s.ask("What is it?")  # not about the session: no resume
+    assert [c[1]["type"] for c in t.calls] == ["open_session", "query", "close_session"]
     t = RecordingTransport(OPENED, forgot, err(400, "session_not_found"), CLOSED)
     with SessionClient(t).session(image="https://x/y.png") as s, pytest.raises(EndpointError):
         s.ask("What is it?")  # not in the store either: the router's own error stands

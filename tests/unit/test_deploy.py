@@ -1000,7 +1000,12 @@ def test_the_roles_access_to_the_session_store_is_checked_before_deploying() -> 
             "PolicySourceArn": ROLE,
             "ActionNames": ["s3:GetObject", "s3:PutObject", "s3:DeleteObject"],
             "ResourceArns": ["arn:aws:s3:::bucket/sessions/llava/llava-check.snap"],
-        }
+        },
+        {
+            "PolicySourceArn": ROLE,
+            "ActionNames": ["s3:ListBucket"],
+            "ResourceArns": ["arn:aws:s3:::bucket"],
+        },
     ]
     assert said == ["the execution role may use the session store s3://bucket/sessions/llava"]
     # with a key: the key's actions too, on its ARN (a bare id is in the role's account)
@@ -1008,12 +1013,13 @@ def test_the_roles_access_to_the_session_store_is_checked_before_deploying() -> 
     with pytest.raises(dp.DeployError) as info:
         check_store_access(iam, ROLE, "s3://bucket/p", kms_key="k-1", region="eu-west-1")
     account = ROLE.split(":")[4]
-    assert iam.calls[1]["ResourceArns"] == [f"arn:aws:kms:eu-west-1:{account}:key/k-1"]
+    assert iam.calls[2]["ResourceArns"] == [f"arn:aws:kms:eu-west-1:{account}:key/k-1"]
     message = str(info.value)
     assert "may not s3:PutObject, kms:GenerateDataKey" in message
     policy = json.loads(message[message.index("{") :])
     assert [s["Resource"] for s in policy["Statement"]] == [
         "arn:aws:s3:::bucket/p/*",
+        "arn:aws:s3:::bucket",
         f"arn:aws:kms:eu-west-1:{account}:key/k-1",
     ]
     # a caller who may not simulate is warned, not stopped

@@ -397,3 +397,88 @@ def test_a_restarted_worker_leaves_to_the_store_what_it_holds(
     assert [answer, reply["text"]] == reference.answers(picture, PROMPTS[:2], TOKENS)
     second.service.close()
     second.shared.close()
+
+
+def test_deletions_are_never_dropped_and_a_read_waits_for_this_instances_own_write(
+    s3_url: str,
+) -> None:
+    store = shared(s3_url, "order", max_pending=1)
+    gate, busy = threading.Event(), threading.Event()
+    closed, newer = new_session_id(), new_session_id()
+    for sid, state in ((closed, b"old"), (newer, b"v1")):
+        store.save(sid, lambda state=state: state)
+        assert store.flush(10)
+    assert store.fetch(closed).result(10) == b"old"
+
+    def held() -> bytes:
+        busy.set()
+        gate.wait(10)
+        return b"v2"
+
+    store.save(newer, held)  # the writer is held on newer's second state
+    assert busy.wait(10)
+    store.remove(closed, CLOSED)
+    store.save(new_session_id(), lambda: b"x")  # over max_pending: a write goes, not the delete
+    reading = store.fetch(newer)  # this instance's own write of it is still in progress
+    assert not reading.done()
+    gate.set()
+    assert reading.result(10) == b"v2"  # not the older object in the bucket
+    assert store.flush(10)
+    with pytest.raises(NotStored):
+        store.fetch(closed).result(10)
+    assert store.stats()["dropped"] == 1
+    store.close()
+
+
+def test_a_session_closing_here_is_not_resumed_and_a_full_instance_resumes_nothing(
+    pair, tiny_checkpoint, tmp_path, s3_url
+) -> None:
+    a, _ = pair
+    sid = call(a, {"type": "open_session", "image": data_uri(make_image(64))})[1]["session_id"]
+    session = a.service.store.begin_turn(sid)  # an answer is running ...
+    a.service.store.close(sid)  # ... when the client closes: it ends with the answer
+    status, body = ask(a, sid, "Hello?")
+    assert status == 400 and body["error"]["code"] == "session_closed"
+    a.service.store.end_turn(session)
+    assert a.shared.flush(10)
+    full = instance(tiny_checkpoint, tmp_path, s3_url, "full", max_sessions=1)
+    other = call(a, {"type": "open_session", "image": data_uri(make_image(65))})[1]["session_id"]
+    mine = call(full, {"type": "open_session", "image": data_uri(make_image(66))})[1]
+    assert a.shared.flush(10) and mine["session_id"]
+    status, body = ask(full, other, "Hello?")
+    assert status == 429 and body["error"]["code"] == "capacity_exceeded"
+    full.service.close()
+    full.shared.close()
+
+
+def test_a_stopping_instance_refuses_a_held_session_only_once_its_state_is_stored(pair) -> None:
+    from llava.server.service import Incoming
+
+    a, _ = pair
+    sid = call(a, {"type": "open_session", "image": data_uri(make_image(67))})[1]["session_id"]
+    assert a.shared.flush(10)
+    gate, busy = threading.Event(), threading.Event()
+
+    def latest() -> bytes:
+        busy.set()
+        gate.wait(10)
+        return b"the latest state"
+
+    a.shared.save(sid, latest)  # its last turn's write has not landed yet
+    assert busy.wait(10)
+    a.service.stopping = True
+    try:
+        body = b'{"type": "query", "prompt": "Hello?"}'
+        batch = [Incoming("q", body, {SESSION_HEADER: sid})]
+        assert a.service.step(batch) == [
+            None
+        ]  # held back: refused now, it would move a turn behind
+        gate.set()
+        for _ in range(400):
+            [reply] = a.service.step([Incoming("q", None, {SESSION_HEADER: sid})])
+            if reply is not None:
+                break
+        assert reply is not None and reply.status == 503
+        assert a.shared.fetch(sid).result(10) == b"the latest state"  # stored before the refusal
+    finally:
+        a.service.stopping = False

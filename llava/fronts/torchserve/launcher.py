@@ -164,7 +164,7 @@ class TorchServe:
         its worker first drains and flushes its sessions (as on SIGTERM in the image)."""
         pid = self.frontend_pid()
         if drain_s and pid is not None:
-            drain_workers(pid, drain_s)
+            drain_workers(pid, drain_s, self.workdir)
         torchserve = shutil.which("torchserve", path=str(self._bin)) or "torchserve"
         subprocess.run(
             [torchserve, "--stop"],

@@ -3,7 +3,10 @@
 TorchServe's frontend ends its workers with `destroyForcibly` (SIGKILL) when it is stopped, so
 a worker left to it would never flush what it holds. The order here:
 1. the worker gets SIGTERM: it drains (no new sessions, answers in flight finish within the
-   grace, every session's latest state is flushed to the shared store) and exits;
+   grace, every session's latest state is flushed to the shared store), says so with a marker
+   file (`drained_marker`) and stays, refusing everything, so the frontend does not start a
+   fresh worker in its place; it exits by itself only if nobody stops it within `LINGER_S`
+   (a SIGTERM sent to the worker alone: a fresh worker then serves again);
 2. then the frontend is stopped.
 
 `python -m llava.fronts.torchserve.stopping -- torchserve --start --foreground ...` runs a
@@ -21,6 +24,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -31,10 +35,17 @@ log = logging.getLogger(__name__)
 
 WORKER_MARK = "model_service_worker"
 FRONTEND_MARK = "org.pytorch.serve.ModelServer"
+LINGER_S = 120.0
+
+
+def drained_marker(pid: int, directory: str | Path | None = None) -> Path:
+    """Return the file a drained worker writes (in the temp dir it shares with its frontend)."""
+    return Path(directory or tempfile.gettempdir()) / f"llava-drained-{pid}"
 
 
 def on_sigterm(drain: Callable[[], Any]) -> bool:
-    """In a worker: on SIGTERM run `drain` on a thread of its own, then exit the process.
+    """In a worker: on SIGTERM run `drain` on a thread of its own, mark the worker drained,
+    and exit if the frontend has not stopped it `LINGER_S` later.
 
     Returns False where no handler can be installed (not the main thread)."""
 
@@ -43,10 +54,14 @@ def on_sigterm(drain: Callable[[], Any]) -> bool:
             try:
                 drain()
             except Exception:
-                log.exception("draining failed; exiting with what was flushed")
-            finally:
-                logging.shutdown()
-                os._exit(0)
+                log.exception("draining failed; the worker stops with what was flushed")
+            try:
+                drained_marker(os.getpid()).touch()
+            except OSError:
+                log.warning("could not mark the worker drained", exc_info=True)
+            time.sleep(LINGER_S)  # the frontend stops the worker before this, normally
+            logging.shutdown()
+            os._exit(0)
 
         threading.Thread(target=run, name="llava-drain", daemon=True).start()
 
@@ -96,18 +111,27 @@ def alive(pid: int) -> bool:
         return False
 
 
-def drain_workers(frontend_pid: int, timeout_s: float) -> list[int]:
-    """SIGTERM every TorchServe worker below `frontend_pid`; wait until they have exited (at
-    most `timeout_s`); return those that had not."""
+def drain_workers(
+    frontend_pid: int, timeout_s: float, marker_dir: str | Path | None = None
+) -> list[int]:
+    """SIGTERM every TorchServe worker below `frontend_pid`; wait until each has drained (its
+    marker is written) or exited, at most `timeout_s`; return those that had not."""
     workers = [pid for pid, command in descendants(frontend_pid) if WORKER_MARK in command]
+
+    def done(pid: int) -> bool:
+        return not alive(pid) or drained_marker(pid, marker_dir).exists()
+
     for pid in workers:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
     log.info("draining %d worker(s): %s", len(workers), workers)
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and any(alive(pid) for pid in workers):
+    while time.monotonic() < deadline and not all(done(pid) for pid in workers):
         time.sleep(0.1)
-    return [pid for pid in workers if alive(pid)]
+    left = [pid for pid in workers if not done(pid)]
+    for pid in workers:
+        drained_marker(pid, marker_dir).unlink(missing_ok=True)
+    return left
 
 
 def supervise(command: list[str], timeout_s: float) -> int:

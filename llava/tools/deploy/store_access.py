@@ -16,6 +16,9 @@ from llava.tools.deploy.errors import DeployError
 from llava.tools.deploy.names import parse_s3_uri
 
 OBJECT_ACTIONS = ("s3:GetObject", "s3:PutObject", "s3:DeleteObject")
+# Without it S3 answers 403, not 404, for an object that is not there: every unknown session
+# id would read as "the store refuses us" instead of "no such session".
+LIST_ACTIONS = ("s3:ListBucket",)
 KEY_ACTIONS = ("kms:GenerateDataKey", "kms:Decrypt")
 
 
@@ -36,7 +39,14 @@ def least_policy(store_uri: str, kms_arn: str | None) -> dict[str, Any]:
             "Effect": "Allow",
             "Action": list(OBJECT_ACTIONS),
             "Resource": f"arn:aws:s3:::{bucket}/{prefix}*",
-        }
+        },
+        {
+            "Sid": "SessionStoreMissingObjects",
+            "Effect": "Allow",
+            "Action": list(LIST_ACTIONS),
+            "Resource": f"arn:aws:s3:::{bucket}",
+            "Condition": {"StringLike": {"s3:prefix": [f"{prefix}*"]}},
+        },
     ]
     if kms_arn:
         statements.append(
@@ -64,7 +74,8 @@ def check_store_access(
     bucket, prefix = parse_s3_uri(store_uri, require_prefix=False)
     kms_arn = key_arn(kms_key, role_arn, region) if kms_key else None
     checks: list[tuple[tuple[str, ...], str]] = [
-        (OBJECT_ACTIONS, f"arn:aws:s3:::{bucket}/{prefix}llava-check.snap")
+        (OBJECT_ACTIONS, f"arn:aws:s3:::{bucket}/{prefix}llava-check.snap"),
+        (LIST_ACTIONS, f"arn:aws:s3:::{bucket}"),
     ]
     if kms_arn:
         checks.append((KEY_ACTIONS, kms_arn))
