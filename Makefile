@@ -54,23 +54,40 @@ $(BIN)/.installed: pyproject.toml docker/image.lock
 
 venv: $(BIN)/.installed
 
+# The archiver stages in the temp dir by the model's name: this checkout's own, as TorchServe's.
 archive: venv
-	$(BIN)/python -m llava archive --model $(MODEL) --name $(NAME) --out $(STORE)
+	@mkdir -p $(TS_HOME)
+	TMPDIR=$(TS_HOME) $(BIN)/python -m llava archive --model $(MODEL) --name $(NAME) --out $(STORE)
+
+# Where `make serve` listens: PORT, and the next four ports for TorchServe's management, metrics
+# and gRPC servers (PORT+1000 up for its worker sockets). TorchServe keeps its pid file in the
+# temp dir and would refuse to start beside any other TorchServe on the machine (and `stop`
+# would stop whichever wrote that file last): each checkout keeps its own, in .torchserve/.
+PORT ?= 8080
+TS_HOME := $(abspath .torchserve)
+port_plus = $(shell expr $(PORT) + $(1))
+TS_ENV = TMPDIR=$(TS_HOME) LOG_LOCATION=$(TS_HOME)/logs METRICS_LOCATION=$(TS_HOME)/logs \
+	TS_INFERENCE_ADDRESS=http://127.0.0.1:$(PORT) \
+	TS_MANAGEMENT_ADDRESS=http://127.0.0.1:$(call port_plus,1) \
+	TS_METRICS_ADDRESS=http://127.0.0.1:$(call port_plus,2) \
+	TS_GRPC_INFERENCE_PORT=$(call port_plus,3) TS_GRPC_MANAGEMENT_PORT=$(call port_plus,4) \
+	TS_INITIAL_WORKER_PORT=$(call port_plus,1000)
 
 ifeq ($(FRONT),ray)
 serve: venv
-	@$(BIN)/python -m llava.tools.quickstart --name $(NAME)
-	$(BIN)/python -m llava serve-ray --model $(MODEL) --name $(NAME) --replicas $(REPLICAS)
+	@$(BIN)/python -m llava.tools.quickstart --name $(NAME) --port $(PORT)
+	$(BIN)/python -m llava serve-ray --model $(MODEL) --name $(NAME) --replicas $(REPLICAS) --port $(PORT)
 else
 serve: archive
-	@$(BIN)/python -m llava.tools.quickstart --name $(NAME)
-	$(BIN)/torchserve --start --foreground --ncs --disable-token-auth \
+	@mkdir -p $(TS_HOME)
+	@$(BIN)/python -m llava.tools.quickstart --name $(NAME) --port $(PORT)
+	env $(TS_ENV) $(BIN)/torchserve --start --foreground --ncs --disable-token-auth \
 		--ts-config config.properties --model-store $(abspath $(STORE)) --models $(NAME)=$(abspath $(STORE))/$(NAME)
 endif
 
 # The chat page beside a running `make serve` (or: python -m llava chat --endpoint NAME).
 chat: venv
-	$(BIN)/python -m llava chat --url http://127.0.0.1:8080/predictions/$(NAME)
+	$(BIN)/python -m llava chat --url http://127.0.0.1:$(PORT)/predictions/$(NAME)
 
 ifeq ($(FRONT),ray)
 local-endpoint: venv
@@ -81,9 +98,10 @@ local-endpoint: archive
 	$(BIN)/python -m llava local-endpoint --model-store $(STORE) --model $(NAME)
 endif
 
+# Stops this checkout's server only (its own pid file; the Ray front by its port).
 stop:
-	-$(BIN)/torchserve --stop
-	-pkill -TERM -f "llava serve-ray"
+	-env TMPDIR=$(TS_HOME) $(BIN)/torchserve --stop
+	-pkill -TERM -f "llava serve-ray .*--port $(PORT)( |$$)"
 
 # Not part of `make test`: prints a table and writes bench/results/bench.{json,png}.
 bench: venv
@@ -162,4 +180,4 @@ delete: venv
 		$(if $(ECR_REPOSITORY),--ecr-repository $(ECR_REPOSITORY))
 
 clean:
-	rm -rf build logs $(STORE)/* key_file.json
+	rm -rf build logs .torchserve $(STORE)/* key_file.json
