@@ -482,3 +482,31 @@ def test_a_stopping_instance_refuses_a_held_session_only_once_its_state_is_store
         assert a.shared.fetch(sid).result(10) == b"the latest state"  # stored before the refusal
     finally:
         a.service.stopping = False
+
+
+def test_a_drain_saves_again_what_the_store_never_got(tiny_checkpoint, tmp_path, s3_url) -> None:
+    """A write given up during a store outage (the turn kept on local disk only) is written by
+    the drain once the store is back, so scale-in after an outage still loses nothing."""
+    inst = instance(tiny_checkpoint, tmp_path, s3_url, "outage")
+    sid = call(inst, {"type": "open_session", "image": data_uri(make_image(68))})[1]["session_id"]
+    assert inst.shared.flush(10)
+    before = inst.shared.fetch(sid).result(10)
+    real = inst.shared.objects
+
+    class Down:
+        def __getattr__(self, name: str) -> Any:
+            def fail(*args: Any, **kwargs: Any) -> Any:
+                raise ConnectionError("the store is down")
+
+            return fail
+
+    inst.shared.objects, inst.shared.retry_s = Down(), 0.001
+    assert ask(inst, sid, "What is this?")[0] == 200  # answered all the same
+    assert inst.shared.flush(10)
+    assert inst.shared.dirty() == {sid} and inst.shared.stats()["failures"] == 1
+    inst.shared.objects = real  # the store is back; nothing else writes this session
+    assert inst.drain(grace_s=5)["flushed"]
+    assert inst.shared.dirty() == set()
+    assert inst.shared.fetch(sid).result(10) != before  # the answered turn is in the store
+    inst.service.close()
+    inst.shared.close()
