@@ -206,7 +206,9 @@ def recover(
     """
     left = set(left_open)
     found = snapshots.found()
-    counts = {"restored": 0, "expired": 0, "corrupt": 0, "lost": 0, "in_store": 0}
+    counts = {"restored": 0, "expired": 0, "corrupt": 0, "lost": 0}
+    if shared is not None:
+        counts["in_store"] = 0
     if found:
         log.info("restoring sessions from %d snapshot(s) in %s", len(found), snapshots.path)
     for n, sid in enumerate(found, 1):
