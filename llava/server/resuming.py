@@ -26,7 +26,6 @@ from llava.api.headers import CLOSED_SESSION_HEADER
 from llava.api.replies import Reply, json_reply
 from llava.api.session_api import CloseSession, OpenSession
 from llava.core.errors import (
-    CapacityExceeded,
     Draining,
     SessionExpired,
     SessionLost,
@@ -112,11 +111,8 @@ class SessionResumer(Generic[StateT, TurnT]):
     ) -> Resuming:
         """Start reading `sid`'s state (on a reader thread); refuse at once when this instance
         has no room for another session."""
-        if not close and len(self.store) >= self.store.max_sessions:
-            raise CapacityExceeded(
-                f"all {self.store.max_sessions} session slots are in use; retry later",
-                retry_after_s=max(1, int(min(self.store.ttl_s, 30))),
-            )
+        if not close:
+            self.store.make_room()
         return Resuming(sid, self.shared.fetch(sid), item, explicit, close)
 
     def finish(self, work: Resuming) -> Session | None:
@@ -164,13 +160,8 @@ class SessionResumer(Generic[StateT, TurnT]):
             )
         info = dict(extra.get("info") or {})
         info[RESUMED] = True
-        if len(self.store) >= self.store.max_sessions:
-            self.engine.release(state)
-            raise CapacityExceeded(
-                f"all {self.store.max_sessions} session slots are in use; retry later",
-                retry_after_s=max(1, int(min(self.store.ttl_s, 30))),
-            )
         try:
+            self.store.make_room()  # others may have opened while it was read
             session = self.store.restore(work.sid, state, state.nbytes, expires_at, info)
         except BaseException:
             self.engine.release(state)

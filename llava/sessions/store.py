@@ -105,6 +105,15 @@ class SessionStore:
                     "is at capacity: retry after the Retry-After seconds",
                     retry_after_s=1,
                 )
+            self.make_room()
+            slot = Slot(new_session_id(self._id_prefix))
+            self._slots.add(slot.id)
+            return slot
+
+    def make_room(self) -> None:
+        """Make room for one more session (reaping, then evicting the least recently used idle
+        header-less chat) or raise `CapacityExceeded` (429): an open's or a resume's."""
+        with self._lock:
             self.reap()
             if len(self._sessions) + len(self._slots) >= self.max_sessions:
                 idle = idle_sessions(list(self._sessions.values()), None)
@@ -117,9 +126,6 @@ class SessionStore:
                     "sessions you no longer need",
                     retry_after_s=max(1, int(min(self.ttl_s, 30))),
                 )
-            slot = Slot(new_session_id(self._id_prefix))
-            self._slots.add(slot.id)
-            return slot
 
     def cancel(self, slot: Slot) -> None:
         """Give a reserved slot back (the open failed)."""
