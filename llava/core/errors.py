@@ -33,12 +33,17 @@ class KitError(Exception):
 
     status: int = 500
     code: str = "internal_error"
+    # Kinds a client should retry say how soon: `retry_after_s` (a detail, and Retry-After).
+    retry_after_default: int | None = None
 
     def __init__(self, message: str, *, field: str | None = None, **details: Any) -> None:
         super().__init__(message)
         self.message = message
         self.field = field
+        if self.retry_after_default is not None:
+            details = {"retry_after_s": self.retry_after_default, **details}
         self.details = details
+        self.retry_after_s: int | None = details.get("retry_after_s")
 
     def to_body(self) -> dict[str, Any]:
         """Render the JSON error body `{"error": {"code", "message", ...}}`."""
@@ -105,40 +110,28 @@ class CapacityExceeded(KitError):
     """No room for another session; the client should retry later."""
 
     status, code = 429, "capacity_exceeded"
-
-    def __init__(self, message: str, *, retry_after_s: int = 5, **details: Any) -> None:
-        super().__init__(message, retry_after_s=retry_after_s, **details)
-        self.retry_after_s = retry_after_s
+    retry_after_default = 5
 
 
 class OutOfDeviceMemory(KitError):
     """The device ran out of memory for this request even after freeing what it could."""
 
     status, code = 503, "out_of_device_memory"
-
-    def __init__(self, message: str, *, retry_after_s: int = 2, **details: Any) -> None:
-        super().__init__(message, retry_after_s=retry_after_s, **details)
-        self.retry_after_s = retry_after_s
+    retry_after_default = 2
 
 
 class Draining(KitError):
     """The instance is shutting down (scale-in, an update): it takes no new sessions."""
 
     status, code = 503, "draining"
-
-    def __init__(self, message: str, *, retry_after_s: int = 1, **details: Any) -> None:
-        super().__init__(message, retry_after_s=retry_after_s, **details)
-        self.retry_after_s = retry_after_s
+    retry_after_default = 1
 
 
 class StoreUnavailable(KitError):
     """The shared session store could not be read (down, or too busy): retry shortly."""
 
     status, code = 503, "store_unavailable"
-
-    def __init__(self, message: str, *, retry_after_s: int = 2, **details: Any) -> None:
-        super().__init__(message, retry_after_s=retry_after_s, **details)
-        self.retry_after_s = retry_after_s
+    retry_after_default = 2
 
 
 class Cancelled(KitError):

@@ -185,24 +185,12 @@ class RayCluster:
 
     def stop_node(self, index: int) -> None:
         """Take one node out, as a drained or lost machine: `ray stop` of what it started."""
-        proc = self.procs[index]
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        _stop_node(self.procs[index])
 
     def stop(self) -> None:
         """Stop the workers, then the head (each `ray start --block` stops what it started)."""
         for proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            _stop_node(proc)
         self.procs = []
 
     def __enter__(self) -> RayCluster:
@@ -210,3 +198,15 @@ class RayCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _stop_node(proc: subprocess.Popen[bytes]) -> None:
+    """Stop one `ray start --block` node with SIGTERM; kill it if it is still there a minute on."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
