@@ -11,7 +11,7 @@ import httpx
 import pytest
 from helpers import Reference, in_private_network
 
-from llava.fronts.ray.launcher import RayServe
+from llava.fronts.ray.launcher import RayCluster, RayServe
 from llava.fronts.torchserve.launcher import TorchServe, free_port
 from llava.tools.archive import build_archive
 from llava.tools.tiny import build_checkpoint
@@ -107,6 +107,24 @@ def ray_front(
         yield front
     finally:
         front.stop()
+
+
+@contextmanager
+def two_node_front(checkpoint: Path, workdir: Path) -> Iterator[tuple[RayCluster, RayServe]]:
+    """Two `ray start` nodes of one CPU each, as two machines, with a replica on each; the
+    head's proxy serves (both nodes share this machine's one loopback)."""
+    if not in_private_network():
+        pytest.skip("Ray runs only in a private network namespace: run `make test-ray` as root")
+    with RayCluster(nodes=2, cpus_per_node=1, workdir=workdir / "cluster") as cluster:
+        front = RayServe(
+            checkpoint,
+            replicas=2,
+            workdir=workdir / "front",
+            address=cluster.address,
+            proxy_location="HeadOnly",
+        )
+        with front:
+            yield cluster, front
 
 
 @pytest.fixture(scope="module", params=["torchserve", "ray"])

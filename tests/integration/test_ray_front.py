@@ -11,10 +11,11 @@ from typing import Any
 
 import httpx
 import pytest
+from conftest import two_node_front
 from helpers import Reference, ask, data_uri, in_private_network, make_image, open_session, post
 from prometheus_client.parser import text_string_to_metric_families
 
-from llava.fronts.ray.launcher import RayCluster, RayServe
+from llava.fronts.ray.launcher import RayServe
 from llava.fronts.ray.package import write_package
 
 pytestmark = pytest.mark.integration
@@ -144,21 +145,10 @@ def test_a_killed_replica_loses_no_other_replicas_sessions_and_its_own_come_back
 def test_two_nodes_each_hold_a_replica_and_answer_their_own_sessions(
     tiny_checkpoint: Any, reference: Reference, tmp_path: Any
 ) -> None:
-    # Two `ray start` nodes of one CPU each, as two machines: one replica fits on each.
-    if not in_private_network():
-        pytest.skip("Ray runs only in a private network namespace: run `make test-ray` as root")
-    with RayCluster(nodes=2, cpus_per_node=1, workdir=tmp_path / "cluster") as cluster:
-        front = RayServe(
-            tiny_checkpoint,
-            replicas=2,
-            workdir=tmp_path / "front",
-            address=cluster.address,
-            proxy_location="HeadOnly",  # both nodes are on this machine's one loopback
-        )
-        with front:
-            url = front.url("/invocations")
-            with ThreadPoolExecutor(4) as pool:
-                runs = list(pool.map(lambda seed: converse(url, 300 + seed, PROMPTS), range(4)))
+    with two_node_front(tiny_checkpoint, tmp_path) as (_, front):
+        url = front.url("/invocations")
+        with ThreadPoolExecutor(4) as pool:
+            runs = list(pool.map(lambda seed: converse(url, 300 + seed, PROMPTS), range(4)))
     nodes = {}
     for seed, (sid, answers) in enumerate(runs):
         assert len({a["usage"]["node"] for a in answers}) == 1, answers  # never moved

@@ -25,12 +25,11 @@ from typing import Any
 import boto3
 import httpx
 import pytest
-from conftest import start_server
-from helpers import Reference, ask, data_uri, in_private_network, make_image, open_session
+from conftest import start_server, two_node_front
+from helpers import Reference, ask, data_uri, make_image, open_session
 
 from llava.client import SessionClient
 from llava.fronts.local_runtime.server import LocalRuntime
-from llava.fronts.ray.launcher import RayCluster, RayServe
 from llava.fronts.torchserve.launcher import TorchServe
 from llava.fronts.torchserve.stopping import descendants
 
@@ -184,50 +183,43 @@ def test_ray_sessions_resume_on_the_rest_when_a_node_and_a_replica_go(
     """Two nodes with a replica each: one node is taken out (its replica's sessions resume on
     the other replica), then that replica is killed (Ray starts another, which resumes them
     all); every answer is the pipeline's over the whole conversation."""
-    if not in_private_network():
-        pytest.skip("Ray runs only in a private network namespace: run `make test-ray` as root")
     for key, value in settings(s3_url).items():  # every node's processes read them
         monkeypatch.setenv(key, value)
     pictures = [make_image(800 + i) for i in range(4)]
-    with RayCluster(nodes=2, cpus_per_node=1, workdir=tmp_path / "cluster") as cluster:
-        front = RayServe(
-            tiny_checkpoint,
-            replicas=2,
-            workdir=tmp_path / "front",
-            address=cluster.address,
-            proxy_location="HeadOnly",  # the head's proxy: the other node goes away
-        )
-        with front, httpx.Client(timeout=300) as client:
-            url = front.url("/invocations")
-            sids = [open_session(client, url, data_uri(p)) for p in pictures]
-            said: list[list[str]] = [[] for _ in sids]
+    with (
+        two_node_front(tiny_checkpoint, tmp_path) as (cluster, front),
+        httpx.Client(timeout=300) as client,
+    ):
+        url = front.url("/invocations")
+        sids = [open_session(client, url, data_uri(p)) for p in pictures]
+        said: list[list[str]] = [[] for _ in sids]
 
-            def turn(n: int) -> list[dict[str, Any]]:
-                answers = [ask(client, url, sid, PROMPTS[n], max_new_tokens=TOKENS) for sid in sids]
-                for mine, answer in zip(said, answers, strict=True):
-                    mine.append(answer["text"])
-                return answers
+        def turn(n: int) -> list[dict[str, Any]]:
+            answers = [ask(client, url, sid, PROMPTS[n], max_new_tokens=TOKENS) for sid in sids]
+            for mine, answer in zip(said, answers, strict=True):
+                mine.append(answer["text"])
+            return answers
 
-            wait_for(lambda: set(sids) <= set(stored(s3_url)), "the opens in the store")
+        wait_for(lambda: set(sids) <= set(stored(s3_url)), "the opens in the store")
 
-            def stored_turn(n: int) -> list[dict[str, Any]]:
-                """Ask turn n, then wait until every session's new state is in the store."""
-                before = stored(s3_url)
-                answers = turn(n)
-                wait_for(
-                    lambda: all(stored(s3_url).get(s) != before[s] for s in sids),
-                    f"turn {n} in the store",
-                )
-                return answers
+        def stored_turn(n: int) -> list[dict[str, Any]]:
+            """Ask turn n, then wait until every session's new state is in the store."""
+            before = stored(s3_url)
+            answers = turn(n)
+            wait_for(
+                lambda: all(stored(s3_url).get(s) != before[s] for s in sids),
+                f"turn {n} in the store",
+            )
+            return answers
 
-            first = stored_turn(0)
-            assert len({a["usage"]["node"] for a in first}) == 2, first  # on both nodes
-            cluster.stop_node(1)  # a node drained or lost: its replica goes with it
-            second = stored_turn(1)
-            assert len({a["usage"]["node"] for a in second}) == 1  # all on the head now
-            assert "store" in {a["usage"]["session_tier"] for a in second}
-            [pid] = replicas_of(cluster.workdir, front.replica_pids())
-            os.kill(pid, signal.SIGKILL)  # and that replica: Ray starts another
-            turn(2)
-        for picture, answers in zip(pictures, said, strict=True):
-            assert answers == reference.answers(picture, PROMPTS[:3], TOKENS)
+        first = stored_turn(0)
+        assert len({a["usage"]["node"] for a in first}) == 2, first  # on both nodes
+        cluster.stop_node(1)  # a node drained or lost: its replica goes with it
+        second = stored_turn(1)
+        assert len({a["usage"]["node"] for a in second}) == 1  # all on the head now
+        assert "store" in {a["usage"]["session_tier"] for a in second}
+        [pid] = replicas_of(cluster.workdir, front.replica_pids())
+        os.kill(pid, signal.SIGKILL)  # and that replica: Ray starts another
+        turn(2)
+    for picture, answers in zip(pictures, said, strict=True):
+        assert answers == reference.answers(picture, PROMPTS[:3], TOKENS)
