@@ -228,7 +228,7 @@ def add_floors(model_dir: Path, long: dict[str, Any]) -> None:
     """Beside each long chat's early and late TTFT, the model's own forward at those turns:
     what grows with the context on this machine whatever serves it."""
     from llava.core.config import ServerConfig
-    from llava.engine.model.loading import load_model, resolve_devices
+    from llava.engines.transformers.model.loading import load_model, resolve_devices
 
     config = ServerConfig()  # the server's defaults: its device and dtype
     model = load_model(model_dir, resolve_devices(config)[0], config)

@@ -17,7 +17,7 @@ from pathlib import Path
 from transformers import LlavaNextImageProcessorPil, LlavaNextProcessor, LlavaOnevisionProcessor
 from transformers import LlavaOnevisionImageProcessorPil as OnevisionImages
 
-from llava.engine.model.budget import GIB, device_budget
+from llava.engines.transformers.model.budget import GIB, device_budget
 from llava.tools.tiny.tokenizers import train_qwen_tokenizer
 
 # (height, width) of the images the table is computed for.

@@ -5,7 +5,7 @@
 
 Before a turn's forward the kit renders the conversation with the checkpoint's chat template and
 tokenizes it. Whole, that grows with the conversation; from the last turn's prompt
-(`llava/engine/state/incremental.py`) it should not. Both ways run side by side on the same
+(`llava/engines/conversation/incremental.py`) it should not. Both ways run side by side on the same
 chats, every turn (each checked to give the same ids), and the figures are the mean of turns
 2-11 and of the last 10, in milliseconds: bench/results/prompts.json and a Markdown table.
 """
@@ -31,7 +31,7 @@ ANSWERS = ["The circle is red.", "The square is blue.", "There are two shapes."]
 
 def one_chat(chat: Any, turns: int, rng: random.Random) -> dict[str, list[float]]:
     """Time both ways on every turn of one chat; return their per-turn milliseconds."""
-    from llava.engine.state.chat import Exchange
+    from llava.engines.conversation.chat import Exchange
 
     history: list[Exchange] = []
     held = None
@@ -53,8 +53,8 @@ def one_chat(chat: Any, turns: int, rng: random.Random) -> dict[str, list[float]
 
 def main(argv: list[str] | None = None) -> None:
     """Run both ways on each model's template and write the figures."""
-    from llava.engine.model.loading import load_processor
-    from llava.engine.state.chat import ChatFormatter
+    from llava.engines.conversation.chat import ChatFormatter
+    from llava.engines.transformers.model.loading import load_processor
     from llava.tools.archive import resolve_model
 
     parser = argparse.ArgumentParser(description=__doc__)

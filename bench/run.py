@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     from llava.core.config import ServerConfig
-    from llava.engine import LlavaEngine
+    from llava.engines.transformers import LlavaEngine
     from llava.images import ImageLoader
     from llava.tools.archive import resolve_model
 

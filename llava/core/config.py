@@ -28,8 +28,12 @@ _ZERO_ALLOWED = {
     "torch_threads",
     "image_processes",
     "whole_answer_s",
+    "kv_cache_gb",
 }
 CACHE_MODES = ("kv", "pixels")
+# "auto": vLLM's engine where vLLM is installed (the GPU images, `make venv-vllm`), else the
+# transformers engine (the reference; any machine torch runs on).
+ENGINE_CHOICES = ("auto", "transformers", "vllm")
 ENV_PREFIX = "LLAVA_"
 
 
@@ -37,6 +41,15 @@ ENV_PREFIX = "LLAVA_"
 class ServerConfig:
     """Settings of one TorchServe worker serving LLaVA sessions."""
 
+    # The engine behind the sessions (llava/engines/): auto, transformers or vllm
+    engine: str = "auto"
+    # vLLM's own settings (engine: vllm): the share of each GPU's memory it takes (weights and
+    # its KV cache), the GPUs one model spans (tensor parallel), its KV cache on a CPU machine
+    # (0 = vLLM's default), and eager mode (no CUDA graphs / torch.compile: a faster start).
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+    kv_cache_gb: float = 0.0
+    enforce_eager: bool = False
     # Model placement
     device: str = "auto"  # "auto" (every visible GPU, else CPU), "cpu", "cuda", "cuda:1"
     dtype: str = "auto"  # auto: bfloat16 (or float16) on GPU, float32 on CPU
@@ -49,17 +62,17 @@ class ServerConfig:
     # 429 with Retry-After, so an overloaded server refuses newcomers before the follow-ups of
     # the conversations it holds wait behind a growing queue of images. 0 = no limit.
     max_opening: int = 16
-    # Memory tiers (0 = derived at start from the free memory: see engine/model/budget.py): past the
-    # device budget (per GPU) the least recently used sessions' caches move to host memory; past
-    # the host budget they keep only their image features (recomputed on their next turn); past
-    # that they are evicted.
+    # Memory tiers (0 = derived from the free memory at start: engines/transformers/model/budget):
+    # past the device budget (per GPU) the least recently used sessions' caches move to host
+    # memory; past the host budget they keep only their image features (recomputed on their next
+    # turn); past that they are evicted.
     device_budget_mb: float = 0.0
     host_budget_mb: float = 0.0
     cache_mode: str = "kv"  # "kv": per-session KV cache; "pixels": the reference design
     # Scheduling: the tokens one step may process (decodes, prefill chunks, vision-tower work);
     # what bounds how long any stream waits while others open sessions or ask long questions.
-    # 0 = measured: calibrated at start (engine/scheduling/calibrate.py), then re-derived
-    # before every step from the steps actually run (engine/scheduling/pacing.py).
+    # 0 = measured: calibrated at start (engines/transformers/scheduling/calibrate.py), then
+    # re-derived before every step from the steps actually run (.../scheduling/pacing.py).
     step_token_budget: int = 0
     # CPU threads for torch's own operators. 0 = every CPU this worker may use (at most torch's
     # default). The step loop runs every forward on one thread with torch's threads beside it,
@@ -114,6 +127,10 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.engine not in ENGINE_CHOICES:
+            raise ValueError(f"engine {self.engine!r} is not one of {', '.join(ENGINE_CHOICES)}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]: the share of each GPU")
         if self.cache_mode not in CACHE_MODES:
             raise ValueError(
                 f"cache_mode {self.cache_mode!r} is not one of {', '.join(CACHE_MODES)}"

@@ -127,8 +127,11 @@ def assemble(
     `state_name` names this instance's registry and snapshots (default: the model's name): an
     instance that replaces a dead one under the same name takes over its sessions. `id_prefix`
     starts every session id it issues (a router reads it back)."""
-    from llava.engine import LlavaEngine, set_torch_threads  # torch is imported here only
-    from llava.engine.model.budget import derive_budgets
+    from llava.engines.transformers import (
+        LlavaEngine,
+        set_torch_threads,
+    )  # torch is imported here only
+    from llava.engines.transformers.model.budget import derive_budgets
     from llava.images import ImageLoader, ImagePolicy
     from llava.server.contract import Engine
     from llava.sessions.memory import TieredMemory

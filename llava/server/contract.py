@@ -1,8 +1,8 @@
 """The engine contract the service relies on: every call the step loop makes, fully typed.
 
-Pure (no torch): the service and its unit tests' fake engine depend on this, never on the
-engine's module. `llava.engine.LlavaEngine` satisfies `Engine[SessionState, Turn]` (checked by
-mypy where the TorchServe adapter builds it).
+Pure (no torch): the service and its unit tests' fake engine depend on this, never on an
+engine's module. Both engines satisfy it (`llava.engines.transformers.LlavaEngine` and
+`llava.engines.vllm.VllmEngine`, checked by mypy where `fronts/assembly.py` builds them).
 """
 
 from __future__ import annotations

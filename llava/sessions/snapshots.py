@@ -13,7 +13,7 @@ Each file starts with the SHA-256 of the rest, so a torn or corrupt file is refu
 and costs that one session only. A fresh worker lists the files, restores the sessions its
 session registry says an earlier worker left open, and deletes the rest.
 
-Pure: no torch; what a snapshot holds is the engine's business (`llava/engine/state/snapshot.py`).
+Pure: no torch; what a snapshot holds is each engine's business (`llava/engines/*/`).
 """
 
 from __future__ import annotations

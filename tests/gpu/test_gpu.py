@@ -31,8 +31,8 @@ from helpers import (
 from llava.api.headers import SESSION_HEADER
 from llava.core.config import ServerConfig
 from llava.core.params import GenerationParams
-from llava.engine import LlavaEngine, Tier
-from llava.engine.model.cache import OFFLOADING
+from llava.engines.transformers import LlavaEngine, Tier
+from llava.engines.transformers.model.cache import OFFLOADING
 from llava.fronts.torchserve.launcher import TorchServe
 from llava.server.service import SessionService
 from llava.sessions.memory import TieredMemory
@@ -294,7 +294,7 @@ import sys, threading, time
 from pathlib import Path
 import torch
 from llava.core.config import ServerConfig
-from llava.engine.model.loading import load_model
+from llava.engines.transformers.model.loading import load_model
 
 def anonymous() -> int:  # what the process holds of its own, not the checkpoint's mapped pages
     for line in Path("/proc/self/status").read_text().splitlines():

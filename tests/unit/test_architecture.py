@@ -25,11 +25,11 @@ ALLOWED: dict[str, set[str]] = {
     "api": {"core"},
     "sessions": {"core"},
     "images": {"core"},
-    "engine": {"core"},
+    "engines": {"core"},
     "server": {"core", "api", "sessions", "images"},
     "client": {"core", "api"},
-    "fronts": {"core", "api", "sessions", "images", "engine", "server", "client"},
-    "tools": {"core", "api", "engine", "fronts", "client", "tools"},
+    "fronts": {"core", "api", "sessions", "images", "engines", "server", "client"},
+    "tools": {"core", "api", "engines", "fronts", "client", "tools"},
     "__main__": {"core", "tools", "fronts"},
 }
 
@@ -128,8 +128,39 @@ def test_the_checks_see_a_violation() -> None:
     """The walk finds what it must: a known edge, and a cycle where one is planted."""
     edges = graph()
     assert "llava.core.errors" in edges["llava.api.fields"]
-    assert "llava.engine.runner" in edges["llava.engine.stepping"]
-    assert layer("llava.engine.model.packed") == "engine"
+    assert "llava.engines.transformers.runner" in edges["llava.engines.transformers.stepping"]
+    assert layer("llava.engines.transformers.model.packed") == "engines"
+
+
+def third_party_imports(path: Path) -> set[str]:
+    """The top-level names of every package a module imports, anywhere in it."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Import):
+            out.update(a.name.split(".")[0] for a in node.names)
+    return out
+
+
+def test_the_engines_are_peers() -> None:
+    """Neither engine imports the other; only the vLLM engine imports vLLM, and only the
+    engines (not their shared conversation code) import torch."""
+    crossing = [
+        f"{module} -> {target}"
+        for module, targets in graph().items()
+        for target in targets
+        for own, other in (("transformers", "vllm"), ("vllm", "transformers"))
+        if module.startswith(f"llava.engines.{own}") and target.startswith(f"llava.engines.{other}")
+    ]
+    assert crossing == []
+    engines = ("llava.engines.transformers", "llava.engines.vllm")
+    for module, path in modules().items():
+        loaded = third_party_imports(path)
+        if not module.startswith("llava.engines.vllm"):
+            assert "vllm" not in loaded, module
+        if not module.startswith(engines) and not module.startswith("llava.tools"):
+            assert "torch" not in loaded, module
 
 
 @pytest.mark.parametrize(
@@ -145,8 +176,8 @@ def test_the_checks_see_a_violation() -> None:
         # The service, the engine and the TorchServe front never load Ray; Ray's router and
         # ingress (run in Ray's proxy processes) never load torch.
         (
-            "llava.server.service, llava.server.loop, llava.fronts.assembly, llava.engine, "
-            "llava.fronts.torchserve.handler",
+            "llava.server.service, llava.server.loop, llava.fronts.assembly, "
+            "llava.engines.transformers, llava.fronts.torchserve.handler",
             ("ray",),
         ),
         (
@@ -156,7 +187,7 @@ def test_the_checks_see_a_violation() -> None:
         ),
         # The server never loads the dev tools or the chat page's UI library.
         (
-            "llava.fronts.torchserve.handler, llava.server.service, llava.engine, "
+            "llava.fronts.torchserve.handler, llava.server.service, llava.engines.transformers, "
             "llava.fronts.local_runtime.server, llava_handler",
             ("gradio", "llava.tools"),
         ),

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from llava.engine.model import budget
-from llava.engine.model.budget import (
+from llava.engines.transformers.model import budget
+from llava.engines.transformers.model.budget import (
     GIB,
     available_host_bytes,
     derive_budgets,

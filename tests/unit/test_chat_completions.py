@@ -12,7 +12,7 @@ from llava.api.headers import NEW_SESSION, SESSION_HEADER
 from llava.api.openai import ChatCompletion, chat_info, check_same_chat, image_key
 from llava.api.openai_replies import OpenAIReplies
 from llava.core.errors import InvalidRequest
-from llava.engine.decoding.sampling import visible_text
+from llava.engines.conversation.text import visible_text
 
 IMAGE = "https://example.com/cat.png"
 FIRST = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": IMAGE}},

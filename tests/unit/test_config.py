@@ -222,7 +222,7 @@ def test_budgets_in_mb_become_bytes() -> None:
 def test_torch_threads_use_the_worker_s_cpus(
     configured: int, usable: int, torch_default: int, expected: int
 ) -> None:
-    from llava.engine.model.loading import torch_threads
+    from llava.engines.transformers.model.loading import torch_threads
 
     assert torch_threads(configured, usable, torch_default) == expected
 

@@ -10,8 +10,8 @@ from helpers import Reference, assert_conversation, make_image
 from llava.core.config import ServerConfig
 from llava.core.errors import SessionExpired
 from llava.core.params import GenerationParams
-from llava.engine import LlavaEngine, Tier
-from llava.engine.selfcheck import self_check
+from llava.engines.transformers import LlavaEngine, Tier
+from llava.engines.transformers.selfcheck import self_check
 from llava.sessions.memory import TieredMemory
 from llava.sessions.store import SessionStore
 
@@ -190,7 +190,7 @@ def test_two_replicas_pin_sessions_to_the_least_loaded_and_batch_per_replica(
     """The multi-GPU layout, exercised on CPU: one model copy per device, sessions pinned."""
     from transformers import AutoModelForImageTextToText
 
-    from llava.engine.state.session import Replica
+    from llava.engines.transformers.state.session import Replica
 
     replicas = [
         Replica(AutoModelForImageTextToText.from_pretrained(tiny_checkpoint).eval(), r.device)
@@ -215,7 +215,7 @@ def test_the_device_budget_holds_on_each_card_not_pooled(tiny_checkpoint, engine
     card kept two caches over its budget."""
     from transformers import AutoModelForImageTextToText
 
-    from llava.engine.state.session import Replica
+    from llava.engines.transformers.state.session import Replica
 
     replicas = [
         Replica(AutoModelForImageTextToText.from_pretrained(tiny_checkpoint).eval(), r.device)
@@ -245,7 +245,7 @@ def test_a_new_session_goes_to_the_card_holding_the_fewest_bytes(tiny_checkpoint
     budget the long one already fills); a released session's bytes no longer count."""
     from transformers import AutoModelForImageTextToText
 
-    from llava.engine.state.session import Replica
+    from llava.engines.transformers.state.session import Replica
 
     replicas = [
         Replica(AutoModelForImageTextToText.from_pretrained(tiny_checkpoint).eval(), r.device)
@@ -289,7 +289,7 @@ def test_cuda_uses_bf16_only_where_the_gpu_computes_it_natively(monkeypatch, cap
     """T4 (7.5) and V100 (7.0) report bf16 support but emulate it: they get float16."""
     import torch
 
-    from llava.engine.model import loading
+    from llava.engines.transformers.model import loading
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
@@ -309,7 +309,7 @@ def test_unsupported_model_types_are_refused_before_loading(tmp_path):
 
 def test_worker_start_fails_when_image_features_are_silently_ignored(engine, monkeypatch):
     """How an older LlavaModel.forward behaved: features dropped, no error, wrong answers."""
-    from llava.engine.model import forward as forward_module
+    from llava.engines.transformers.model import forward as forward_module
 
     def embed_without_image(model, ids, token_id, features, offset):
         import torch
@@ -359,7 +359,7 @@ def test_a_generated_image_token_is_text_and_the_session_goes_on(
     """Sampling can pick the image token itself (at OpenAI's default temperature it happened on
     the first question of a chat client). It is fed back as text, as transformers' `generate`
     does; the answer's text leaves it out, and the next turn is the pipeline's."""
-    from llava.engine.decoding import decoder as decoder_module
+    from llava.engines.transformers.decoding import decoder as decoder_module
 
     image = make_image(41)
     states = [engine.open_session(image) for _ in range(2 if together else 1)]

@@ -11,7 +11,7 @@ from helpers import Reference, make_image
 from llava.core.config import ServerConfig
 from llava.core.errors import InvalidRequest
 from llava.core.params import GenerationParams
-from llava.engine import LlavaEngine
+from llava.engines.transformers import LlavaEngine
 from llava.tools.tiny import build_checkpoint
 
 TOKENS = 10

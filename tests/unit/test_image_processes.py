@@ -19,9 +19,14 @@ from helpers import crash_on, data_uri, make_image, pid_and, same, unloadable
 
 from llava.core.config import ServerConfig
 from llava.core.errors import ImageError
-from llava.engine import LlavaEngine
-from llava.engine.model.loading import HOST
-from llava.engine.model.vision import as_bytes, from_bytes, image_features, process_images
+from llava.engines.transformers import LlavaEngine
+from llava.engines.transformers.model.loading import HOST
+from llava.engines.transformers.model.vision import (
+    as_bytes,
+    from_bytes,
+    image_features,
+    process_images,
+)
 from llava.images import ImageLoader
 from llava.images.background import BackgroundImages
 from llava.images.processes import ImageProcesses

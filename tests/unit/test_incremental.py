@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 from helpers import _load_processor
 
-from llava.engine.state import chat as chat_module
-from llava.engine.state.chat import ChatFormatter, Exchange
-from llava.engine.state.incremental import Rendered, splice_ids
+from llava.engines.conversation import chat as chat_module
+from llava.engines.conversation.chat import ChatFormatter, Exchange
+from llava.engines.conversation.incremental import Rendered, splice_ids
 from llava.tools.tiny import build_checkpoint
 
 FAMILIES = ["tiny", "llava15", "next", "interleave", "onevision"]

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from llava.engine.scheduling.pacing import (
+from llava.engines.transformers.scheduling.pacing import (
     MAX_BUDGET,
     MAX_SURPRISE,
     MIN_BUDGET,
     StepPacer,
 )
-from llava.engine.scheduling.scheduler import StepPlan
+from llava.engines.transformers.scheduling.scheduler import StepPlan
 
 MS = 0.001
 

@@ -17,10 +17,10 @@ from helpers import make_image
 from torch.nn.attention.bias import CausalBias
 
 from llava.core.config import ServerConfig
-from llava.engine import LlavaEngine
-from llava.engine.decoding.batch import DecodeBatch
-from llava.engine.model.cache import new_cache
-from llava.engine.model.packed import Piece, packed_forward
+from llava.engines.transformers import LlavaEngine
+from llava.engines.transformers.decoding.batch import DecodeBatch
+from llava.engines.transformers.model.cache import new_cache
+from llava.engines.transformers.model.packed import Piece, packed_forward
 from llava.tools.tiny import build_checkpoint
 
 
@@ -199,7 +199,7 @@ def test_a_stacked_decode_never_needs_the_math_kernel(engine, monkeypatch) -> No
     folded onto their key heads (no key repeated) and the padding mask, never with
     `enable_gqa` beside a mask, which only SDPA's math kernel runs (repeating every key and
     holding every score); the rows get what the batch's own forward gives them."""
-    from llava.engine.model import packed as packed_module
+    from llava.engines.transformers.model import packed as packed_module
 
     real, calls = torch.nn.functional.scaled_dot_product_attention, []
 
@@ -237,7 +237,7 @@ def test_the_start_up_check_stops_packing_where_the_attention_is_not_routed(
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from llava.engine.selfcheck import self_check
+    from llava.engines.transformers.selfcheck import self_check
 
     engine = LlavaEngine.load(tiny_checkpoint, ServerConfig(device="cpu", image_processes=0))
     assert engine.runner.packs
@@ -260,7 +260,7 @@ def test_flash_attention_keeps_its_name_and_dispatch_when_packing(tiny_checkpoin
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-    from llava.engine.model.packed import enable_packing
+    from llava.engines.transformers.model.packed import enable_packing
 
     calls = []
 
@@ -296,7 +296,7 @@ def test_a_chunk_never_reaches_the_math_kernel_with_a_dense_mask(engine, monkeyp
     layer, a boolean mask) with as many key heads as query heads: SDPA's math kernel, which
     materialises the whole [heads, chunk, cache] matrix, is never the only one that can run it
     (on a OneVision image's 4k-token chunk that was about 3 GB per layer). Answers unchanged."""
-    from llava.engine.model import packed as packed_module
+    from llava.engines.transformers.model import packed as packed_module
 
     real, calls = torch.nn.functional.scaled_dot_product_attention, []
 

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from llava.api.headers import SESSION_HEADER
 from llava.api.replies import Reply
 from llava.core.config import ServerConfig
-from llava.engine import LlavaEngine
+from llava.engines.transformers import LlavaEngine
 from llava.server.service import SessionService
 from llava.sessions.memory import TieredMemory
 from llava.sessions.snapshots import SnapshotDir, recover
@@ -61,10 +61,10 @@ FAULT_POINTS = {
 @contextmanager
 def faults_at(engine: LlavaEngine, plan: dict[str, Any]) -> Iterator[Counter[str]]:
     """Raise at the planned calls of every fault point; yield how many faults each raised."""
-    from llava.engine import stepping as stepping_module
-    from llava.engine.decoding import batch as batch_module
-    from llava.engine.decoding import decoder as decoder_module
-    from llava.engine.model import cache as cache_module
+    from llava.engines.transformers import stepping as stepping_module
+    from llava.engines.transformers.decoding import batch as batch_module
+    from llava.engines.transformers.decoding import decoder as decoder_module
+    from llava.engines.transformers.model import cache as cache_module
 
     calls: Counter[str] = Counter()
     raised: Counter[str] = Counter()

@@ -8,7 +8,7 @@ from helpers import Reference, make_image
 from llava.core.config import ServerConfig
 from llava.core.errors import InvalidRequest
 from llava.core.params import GenerationParams
-from llava.engine import LlavaEngine, Tier
+from llava.engines.transformers import LlavaEngine, Tier
 
 GREEDY = GenerationParams(max_new_tokens=8)
 PROMPTS = ["What is this?", "Which colors do you see?", "Is it big?"]

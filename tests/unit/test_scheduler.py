@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from llava.engine.scheduling.scheduler import IDLE_FACTOR, Pending, plan_step
+from llava.engines.transformers.scheduling.scheduler import IDLE_FACTOR, Pending, plan_step
 
 
 def decoding(i: int) -> Pending:

@@ -18,7 +18,7 @@ from helpers import Reference, make_image
 from llava.core.config import ServerConfig
 from llava.core.ids import new_session_id
 from llava.core.params import GenerationParams
-from llava.engine import LlavaEngine, Tier
+from llava.engines.transformers import LlavaEngine, Tier
 from llava.sessions.snapshots import SUFFIX, CorruptSnapshot, SnapshotDir, recover
 from llava.sessions.store import SessionStore
 

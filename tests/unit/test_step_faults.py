@@ -19,8 +19,8 @@ from helpers import Reference, SeededImages, make_image, serve_rows
 
 from llava.core.config import ServerConfig
 from llava.core.params import GenerationParams
-from llava.engine import LlavaEngine, Tier
-from llava.engine.scheduling.scheduler import IDLE_FACTOR
+from llava.engines.transformers import LlavaEngine, Tier
+from llava.engines.transformers.scheduling.scheduler import IDLE_FACTOR
 from llava.server.service import SessionService
 from llava.sessions.memory import TieredMemory
 from llava.sessions.store import SessionStore
@@ -292,7 +292,7 @@ def test_a_tier_move_that_fails_midway_leaves_the_whole_cache_where_it_was(
     """Offloading copies layer after layer: a copy failing at any layer (out of memory) must
     not leave the session split across devices, or marked as moved; its next answer is the
     pipeline's."""
-    from llava.engine.model import cache as cache_module
+    from llava.engines.transformers.model import cache as cache_module
 
     image = make_image(77)
     state = engine.open_session(image)
@@ -327,7 +327,7 @@ def test_a_row_whose_sampling_fails_fails_its_own_answer_only(
     """Answers decoding together share one forward; a row whose choice fails (a NaN row)
     fails its own answer, the others go on to the pipeline's answers, and the failed session
     stands at its previous turn."""
-    from llava.engine.decoding import decoder as decoder_module
+    from llava.engines.transformers.decoding import decoder as decoder_module
 
     images = [make_image(80 + i) for i in range(3)]
     states = [engine.open_session(image) for image in images]
@@ -368,7 +368,7 @@ def test_unstacking_that_fails_at_any_row_leaves_the_batch_whole(
     """Out-of-memory recovery unstacks the decode batch; a copy failing at any row must not
     leave later rows without the tokens decoded while stacked. The batch stays whole, and every
     answer goes on to the pipeline's."""
-    from llava.engine.decoding import batch as batch_module
+    from llava.engines.transformers.decoding import batch as batch_module
 
     images = [make_image(90 + i) for i in range(3)]
     states = [engine.open_session(image) for image in images]
@@ -402,9 +402,9 @@ def test_a_long_conversation_among_short_ones_keeps_the_batch_within_its_budget(
     the stacked batch to its length. With a batch budget, what the batch allocates (measured:
     its tensors) stays within it, the long answer decodes alone (counted), and every answer is
     still the pipeline's."""
-    from llava.engine.decoding import batch as batch_module
-    from llava.engine.decoding.batch import batch_bytes
-    from llava.engine.model.cache import cache_tensors
+    from llava.engines.transformers.decoding import batch as batch_module
+    from llava.engines.transformers.decoding.batch import batch_bytes
+    from llava.engines.transformers.model.cache import cache_tensors
 
     short_prompt, long_prompt = "What is this?", "Describe everything you see. " * 40
     images = [make_image(100 + i) for i in range(4)]

@@ -23,12 +23,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from llava.core.config import ServerConfig
 from llava.core.params import GenerationParams
-from llava.engine import LlavaEngine
-from llava.engine.decoding.batch import DecodeBatch
-from llava.engine.model.cache import new_cache
-from llava.engine.model.packed import Piece, packed_forward
-from llava.engine.model.workspace import Workspace
-from llava.engine.state.session import Turn
+from llava.engines.transformers import LlavaEngine
+from llava.engines.transformers.decoding.batch import DecodeBatch
+from llava.engines.transformers.model.cache import new_cache
+from llava.engines.transformers.model.packed import Piece, packed_forward
+from llava.engines.transformers.model.workspace import Workspace
+from llava.engines.transformers.state.session import Turn
 
 GREEDY = GenerationParams(max_new_tokens=8)
 LONG = "Describe every shape, colour and corner you can see in this picture, please. " * 12
@@ -130,7 +130,7 @@ def test_a_stacked_forward_keeps_within_the_reserve(
     """With a reserve that the short answers' stacked forward fits and not the long one's, the
     long one decodes alone (counted), each stacked forward's measured peak (SDPA's math kernel)
     stays within the reserve, and every answer is still the pipeline's."""
-    from llava.engine.decoding import batch as batch_module
+    from llava.engines.transformers.decoding import batch as batch_module
 
     engine = LlavaEngine.load(either_checkpoint, ServerConfig(device="cpu"))
     turns = decoding(engine, 4)

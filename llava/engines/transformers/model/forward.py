@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from llava.engine.model.cache import crop_to
-from llava.engine.model.vision import embed
+from llava.engines.transformers.model.cache import crop_to
+from llava.engines.transformers.model.vision import embed
 
 
 def forward(

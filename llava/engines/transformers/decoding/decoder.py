@@ -16,11 +16,12 @@ from typing import Any
 
 import torch
 
-from llava.engine.decoding.batch import DecodeBatch, batch_bytes
-from llava.engine.decoding.sampling import next_token, visible_text
-from llava.engine.model.cache import crop_to
-from llava.engine.model.workspace import Workspace
-from llava.engine.state.session import Replica, Turn
+from llava.engines.conversation.text import visible_text
+from llava.engines.transformers.decoding.batch import DecodeBatch, batch_bytes
+from llava.engines.transformers.decoding.sampling import next_token
+from llava.engines.transformers.model.cache import crop_to
+from llava.engines.transformers.model.workspace import Workspace
+from llava.engines.transformers.state.session import Replica, Turn
 
 Forward = Callable[[Replica, Any, list[int], Any, int], torch.Tensor]
 log = logging.getLogger(__name__)

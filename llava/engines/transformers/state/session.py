@@ -12,11 +12,11 @@ from transformers import DynamicCache
 
 from llava.core.params import GenerationParams
 from llava.core.tiers import Tier
-from llava.engine.decoding.sampling import Detokenizer
-from llava.engine.model.cache import cache_tensors
-from llava.engine.state.chat import Exchange
-from llava.engine.state.imageset import ImageSet
-from llava.engine.state.incremental import Rendered
+from llava.engines.conversation.chat import Exchange
+from llava.engines.conversation.incremental import Rendered
+from llava.engines.conversation.text import Detokenizer
+from llava.engines.transformers.model.cache import cache_tensors
+from llava.engines.transformers.state.imageset import ImageSet
 
 
 @dataclass(eq=False)

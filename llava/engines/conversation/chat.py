@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from llava.engine.state.incremental import (
+from llava.engines.conversation.incremental import (
     ANCHOR,
     Message,
     Rendered,

@@ -7,12 +7,13 @@ from collections.abc import Sequence
 
 from llava.core.errors import ContextLengthExceeded, InvalidRequest
 from llava.core.params import GenerationParams
-from llava.engine.decoding.sampling import Detokenizer, make_generator
-from llava.engine.runner import ModelRunner
-from llava.engine.state import tiers
-from llava.engine.state.chat import Exchange, Message, common_prefix
-from llava.engine.state.imageset import ImageSet
-from llava.engine.state.session import SessionState, Turn
+from llava.engines.conversation.chat import Exchange, Message, common_prefix
+from llava.engines.conversation.text import Detokenizer
+from llava.engines.transformers.decoding.sampling import make_generator
+from llava.engines.transformers.runner import ModelRunner
+from llava.engines.transformers.state import tiers
+from llava.engines.transformers.state.imageset import ImageSet
+from llava.engines.transformers.state.session import SessionState, Turn
 
 
 def check_prompt_tokens(runner: ModelRunner, text: str, field: str) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 
 from transformers.integrations import sdpa_attention
 
-from llava.engine.model.cache import CHUNK
+from llava.engines.transformers.model.cache import CHUNK
 
 # Live tensors per token in the layer that runs, in units of the hidden size, the projections'
 # width and the MLP's width (counted on llama, mistral and qwen2 layers: the residual, the

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from llava.engine.model.cache import assign, batch_cache
-from llava.engine.model.packed import Piece
-from llava.engine.state.session import Turn
+from llava.engines.transformers.model.cache import assign, batch_cache
+from llava.engines.transformers.model.packed import Piece
+from llava.engines.transformers.state.session import Turn
 
 
 class DecodeBatch:

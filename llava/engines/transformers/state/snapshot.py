@@ -28,9 +28,9 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from llava.core.tiers import Tier
-from llava.engine.state.chat import Exchange
-from llava.engine.state.imageset import ImageSet
-from llava.engine.state.session import Replica, SessionState
+from llava.engines.conversation.chat import Exchange
+from llava.engines.transformers.state.imageset import ImageSet
+from llava.engines.transformers.state.session import Replica, SessionState
 
 FORMAT = "llava-session-snapshot/1"
 

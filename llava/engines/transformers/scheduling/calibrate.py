@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from llava.engine.model.cache import crop_to, new_cache
-from llava.engine.model.packed import Piece, packed_forward
-from llava.engine.model.vision import image_features, process_images
-from llava.engine.scheduling.pacing import StepPacer
+from llava.engines.transformers.model.cache import crop_to, new_cache
+from llava.engines.transformers.model.packed import Piece, packed_forward
+from llava.engines.transformers.model.vision import image_features, process_images
+from llava.engines.transformers.scheduling.pacing import StepPacer
 
 if TYPE_CHECKING:
-    from llava.engine.runner import ModelRunner
+    from llava.engines.transformers.runner import ModelRunner
 
 log = logging.getLogger(__name__)
 

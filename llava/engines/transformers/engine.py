@@ -35,17 +35,17 @@ from llava.core.errors import InvalidRequest
 from llava.core.families import checkpoint_family
 from llava.core.params import GenerationParams
 from llava.core.tiers import Tier
-from llava.engine import turns
-from llava.engine.model.cache import crop_to
-from llava.engine.model.loading import load_model, load_processor, resolve_devices
-from llava.engine.runner import ModelRunner
-from llava.engine.scheduling.calibrate import calibrate
-from llava.engine.selfcheck import self_check
-from llava.engine.state import snapshot, tiers
-from llava.engine.state.chat import Exchange, Message, common_prefix
-from llava.engine.state.imageset import EMPTY, ImagePreparer, PreparedImages
-from llava.engine.state.session import Replica, SessionState, Turn, place
-from llava.engine.stepping import run_step
+from llava.engines.conversation.chat import Exchange, Message, common_prefix
+from llava.engines.transformers import turns
+from llava.engines.transformers.model.cache import crop_to
+from llava.engines.transformers.model.loading import load_model, load_processor, resolve_devices
+from llava.engines.transformers.runner import ModelRunner
+from llava.engines.transformers.scheduling.calibrate import calibrate
+from llava.engines.transformers.selfcheck import self_check
+from llava.engines.transformers.state import snapshot, tiers
+from llava.engines.transformers.state.imageset import EMPTY, ImagePreparer, PreparedImages
+from llava.engines.transformers.state.session import Replica, SessionState, Turn, place
+from llava.engines.transformers.stepping import run_step
 
 
 class LlavaEngine:

@@ -12,10 +12,10 @@ from transformers import DynamicCache
 
 from llava.core.errors import InvalidRequest
 from llava.core.tiers import Tier
-from llava.engine.model.cache import assign, crop_to, move_cache, new_cache, settle
-from llava.engine.model.loading import HOST
-from llava.engine.state.chat import ChatFormatter, common_prefix
-from llava.engine.state.session import SessionState
+from llava.engines.conversation.chat import ChatFormatter, common_prefix
+from llava.engines.transformers.model.cache import assign, crop_to, move_cache, new_cache, settle
+from llava.engines.transformers.model.loading import HOST
+from llava.engines.transformers.state.session import SessionState
 
 
 @torch.inference_mode()  # the caches are inference tensors: edit them in this mode

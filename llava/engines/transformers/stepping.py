@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from llava.engine.decoding.sampling import next_token
-from llava.engine.model.cache import crop_to
-from llava.engine.model.packed import Piece, packed_forward
-from llava.engine.scheduling.scheduler import Pending, RoomFor, plan_step
-from llava.engine.state.session import Turn
+from llava.engines.transformers.decoding.sampling import next_token
+from llava.engines.transformers.model.cache import crop_to
+from llava.engines.transformers.model.packed import Piece, packed_forward
+from llava.engines.transformers.scheduling.scheduler import Pending, RoomFor, plan_step
+from llava.engines.transformers.state.session import Turn
 
 if TYPE_CHECKING:
-    from llava.engine.runner import ModelRunner
+    from llava.engines.transformers.runner import ModelRunner
 
 
 @torch.inference_mode()

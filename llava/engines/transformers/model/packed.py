@@ -26,8 +26,8 @@ from transformers.cache_utils import DynamicLayer
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from llava.engine.model.cache import crop_to
-from llava.engine.model.vision import embed
+from llava.engines.transformers.model.cache import crop_to
+from llava.engines.transformers.model.vision import embed
 
 PACKING = "llava_packs"  # marks an attention function wrapped by `enable_packing`
 _NO_MASK = torch.zeros(1, 1, 1, 1, dtype=torch.bool)  # a 4-D mask: transformers builds none

@@ -13,15 +13,15 @@ from transformers import DynamicCache
 
 from llava.core.config import ServerConfig
 from llava.core.families import check_model_type
-from llava.engine.decoding.decoder import Decoder
-from llava.engine.model.forward import forward
-from llava.engine.model.packed import enable_packing
-from llava.engine.model.vision import image_token_id, tower_ratio, vision_part
-from llava.engine.model.workspace import Workspace
-from llava.engine.scheduling.pacing import StepCosts, StepPacer
-from llava.engine.state.chat import ChatFormatter
-from llava.engine.state.imageset import ImageEncoder
-from llava.engine.state.session import Replica
+from llava.engines.conversation.chat import ChatFormatter
+from llava.engines.transformers.decoding.decoder import Decoder
+from llava.engines.transformers.model.forward import forward
+from llava.engines.transformers.model.packed import enable_packing
+from llava.engines.transformers.model.vision import image_token_id, tower_ratio, vision_part
+from llava.engines.transformers.model.workspace import Workspace
+from llava.engines.transformers.scheduling.pacing import StepCosts, StepPacer
+from llava.engines.transformers.state.imageset import ImageEncoder
+from llava.engines.transformers.state.session import Replica
 
 DEFAULT_STEP_BUDGET = 256  # tokens per step for engines built without `load` (not calibrated)
 

@@ -14,7 +14,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from llava.engine.model.loading import HOST
+from llava.engines.transformers.model.loading import HOST
 
 CHUNK = 64  # tokens of spare room added when a cache runs out
 OFFLOADING = "llava_offloading"  # a cache's attribute: the event its copy to host memory records

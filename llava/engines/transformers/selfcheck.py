@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from llava.engine.model.cache import new_cache
-from llava.engine.model.loading import transformers_version
-from llava.engine.model.packed import Piece, packed_forward
-from llava.engine.model.vision import image_features, model_inputs, process_images
+from llava.engines.transformers.model.cache import new_cache
+from llava.engines.transformers.model.loading import transformers_version
+from llava.engines.transformers.model.packed import Piece, packed_forward
+from llava.engines.transformers.model.vision import image_features, model_inputs, process_images
 
 if TYPE_CHECKING:
-    from llava.engine.runner import ModelRunner
+    from llava.engines.transformers.runner import ModelRunner
 
 log = logging.getLogger(__name__)
 

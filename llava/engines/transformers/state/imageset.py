@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 from llava.core.errors import InvalidRequest
-from llava.engine.model.loading import HOST
-from llava.engine.model.vision import (
+from llava.engines.transformers.model.loading import HOST
+from llava.engines.transformers.model.vision import (
     ProcessedImages,
     as_bytes,
     from_bytes,

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from llava.engine.scheduling.scheduler import StepPlan
+from llava.engines.transformers.scheduling.scheduler import StepPlan
 
 GAP_FACTOR = 1.5  # a step's prefill work may cost this many quiet steps (the stream waits 2.5)
 MIN_BUDGET, MAX_BUDGET = 16, 4096
