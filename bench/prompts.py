@@ -53,8 +53,8 @@ def one_chat(chat: Any, turns: int, rng: random.Random) -> dict[str, list[float]
 
 def main(argv: list[str] | None = None) -> None:
     """Run both ways on each model's template and write the figures."""
+    from llava.engines.checkpoint import load_processor
     from llava.engines.conversation.chat import ChatFormatter
-    from llava.engines.transformers.model.loading import load_processor
     from llava.tools.archive import resolve_model
 
     parser = argparse.ArgumentParser(description=__doc__)

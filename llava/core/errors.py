@@ -134,6 +134,13 @@ class StoreUnavailable(KitError):
     retry_after_default = 2
 
 
+class EngineRestarting(KitError):
+    """The model's engine failed and is starting again; sessions are kept: retry shortly."""
+
+    status, code = 503, "engine_restarting"
+    retry_after_default = 10
+
+
 class Cancelled(KitError):
     """The client went away or the session closed while an answer was being generated."""
 

@@ -7,3 +7,13 @@ Neither engine imports the other; only `vllm/` imports vLLM (tests/unit/test_arc
 """
 
 ENGINES = ("transformers", "vllm")
+
+
+def resolve_engine(choice: str) -> str:
+    """Return the engine `engine: auto` means here: vLLM where it is installed, else the
+    transformers engine."""
+    if choice != "auto":
+        return choice
+    from importlib.util import find_spec
+
+    return "vllm" if find_spec("vllm") is not None else "transformers"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ class Instance:
     decoder: Any  # the engine's decoder: answers decoded outside a batch, for metrics
     snapshots: Any = None  # the local SnapshotDir, if snapshots are on
     shared: Any = None  # the SharedStore, if a shared session store is configured
+    engine_stats: Callable[[], dict[str, int]] | None = None  # the engine's own figures
 
     def drain(self, grace_s: float) -> dict[str, Any]:
         """Stop taking sessions, let answers finish, flush every session's latest state."""
@@ -113,6 +115,37 @@ def open_shared_store(config: ServerConfig, name: str) -> Any:
     )
 
 
+def load_engine(model_dir: Path, config: ServerConfig) -> tuple[Any, Any, Any, Any]:
+    """Start the configured engine (torch and vLLM are imported here only); return it, its
+    memory tiers, the transformers engine's decoder (None on vLLM) and the engine's figures."""
+    from llava.engines import resolve_engine
+    from llava.server.contract import Engine
+    from llava.sessions.memory import TieredMemory
+
+    engine: Engine[Any, Any]  # mypy checks each engine against the contract here
+    if resolve_engine(config.engine) == "vllm":
+        from llava.engines.vllm import VllmEngine
+
+        vllm_engine = VllmEngine.load(model_dir, config)
+        engine = vllm_engine  # vLLM sizes its own cache; sessions keep pictures on the host
+        return engine, TieredMemory(vllm_engine, None, None), None, vllm_engine.stats
+    from llava.engines.transformers import LlavaEngine, set_torch_threads
+    from llava.engines.transformers.model.budget import derive_budgets
+
+    set_torch_threads(config)
+    llava_engine = LlavaEngine.load(model_dir, config)
+    engine = llava_engine
+    budgets = derive_budgets(
+        [r.device for r in llava_engine.runner.replicas],
+        config.device_budget_bytes,
+        config.host_budget_bytes,
+    )
+    memory = TieredMemory(llava_engine, budgets.device, budgets.host)
+    llava_engine.limit_batches(budgets.device)  # the batch has the budget's other half
+    llava_engine.limit_workspace(budgets.workspace)
+    return engine, memory, llava_engine.runner.decoder, None
+
+
 def assemble(
     model_dir: Path,
     config: ServerConfig,
@@ -127,29 +160,12 @@ def assemble(
     `state_name` names this instance's registry and snapshots (default: the model's name): an
     instance that replaces a dead one under the same name takes over its sessions. `id_prefix`
     starts every session id it issues (a router reads it back)."""
-    from llava.engines.transformers import (
-        LlavaEngine,
-        set_torch_threads,
-    )  # torch is imported here only
-    from llava.engines.transformers.model.budget import derive_budgets
     from llava.images import ImageLoader, ImagePolicy
-    from llava.server.contract import Engine
-    from llava.sessions.memory import TieredMemory
     from llava.sessions.session import LOST, Session
     from llava.sessions.snapshots import recover
     from llava.sessions.store import SessionStore
 
-    set_torch_threads(config)
-    llava_engine = LlavaEngine.load(model_dir, config)
-    engine: Engine[Any, Any] = llava_engine  # mypy checks the contract here
-    budgets = derive_budgets(
-        [r.device for r in llava_engine.runner.replicas],
-        config.device_budget_bytes,
-        config.host_budget_bytes,
-    )
-    memory = TieredMemory(llava_engine, budgets.device, budgets.host)
-    llava_engine.limit_batches(budgets.device)  # the batch has the budget's other half
-    llava_engine.limit_workspace(budgets.workspace)
+    engine, memory, decoder, stats = load_engine(model_dir, config)
     name = state_name or model_name
     registry, left_open = open_registry(name, registry_dir)
     # Snapshots need the registry: it alone tells which sessions an earlier worker left open.
@@ -203,7 +219,7 @@ def assemble(
         whole_answer_s=config.whole_answer_s or None,
     )
     service.start_image_processes()
-    return Instance(service, memory, llava_engine.runner.decoder, snapshots, shared)
+    return Instance(service, memory, decoder, snapshots, shared, stats)
 
 
 def freeze_startup_objects() -> None:

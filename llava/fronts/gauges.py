@@ -21,6 +21,8 @@ DESCRIPTIONS = {
     "LlavaStorePending": "Session states waiting to be written to the shared store",
     "LlavaStoreLagMs": "Age of the oldest state waiting to be written to the shared store",
     "LlavaStoreResumes": "Sessions resumed from the shared store",
+    "LlavaEngine": "The engine's own figures (vLLM: requests running and waiting, KV cache use "
+    "in percent, prefix cache queries and hits in tokens, engine restarts)",
 }
 
 
@@ -49,6 +51,7 @@ class Gauges:
             instance.decoder,
         )
         self.snapshots, self.shared = instance.snapshots, instance.shared
+        self.engine_stats = instance.engine_stats
         self._store_version: int | None = None
         self._last: dict[tuple[str, tuple[str, str]], int] = {}
         # sessions and bytes per tier, as last counted (a router reads the load off them)
@@ -106,6 +109,9 @@ class Gauges:
         ]
 
     def _decoded_alone(self) -> list[Reading]:
+        if self.decoder is None:  # vLLM's engine: its own figures instead
+            stats = self.engine_stats() if self.engine_stats is not None else {}
+            return [Reading("LlavaEngine", v, "count", ("Stat", k)) for k, v in stats.items()]
         return [
             Reading("LlavaDecodedAlone", self.decoder.alone_for_room, "count", ("Reason", "room")),
             Reading(

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any
+from typing import Any, Protocol
+
+from llava.core.params import GenerationParams
 
 
 class Detokenizer:
@@ -67,3 +69,21 @@ def visible_text(text: str, stops: tuple[str, ...], *, final: bool) -> tuple[str
         (n for stop in stops for n in range(1, len(stop)) if text.endswith(stop[:n])), default=0
     )
     return text[: len(text) - hold], False
+
+
+class Answer(Protocol):
+    """An answer being generated, as `show` updates it."""
+
+    detokenizer: Detokenizer
+    params: GenerationParams
+    text: str
+    delta: str
+
+
+def show(answer: Answer, *, final: bool) -> bool:
+    """Extend an answer's shown text and this step's delta; return True if it reached a stop
+    string."""
+    shown, stopped = visible_text(answer.detokenizer.text, answer.params.stop, final=final)
+    answer.delta += shown[len(answer.text) :]
+    answer.text = shown
+    return stopped

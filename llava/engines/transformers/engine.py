@@ -31,14 +31,15 @@ from typing import Any
 import torch
 
 from llava.core.config import ServerConfig
-from llava.core.errors import InvalidRequest
 from llava.core.families import checkpoint_family
 from llava.core.params import GenerationParams
 from llava.core.tiers import Tier
+from llava.engines.checkpoint import load_processor, model_fingerprint
+from llava.engines.conversation import checks
 from llava.engines.conversation.chat import Exchange, Message, common_prefix
 from llava.engines.transformers import turns
 from llava.engines.transformers.model.cache import crop_to
-from llava.engines.transformers.model.loading import load_model, load_processor, resolve_devices
+from llava.engines.transformers.model.loading import load_model, resolve_devices
 from llava.engines.transformers.runner import ModelRunner
 from llava.engines.transformers.scheduling.calibrate import calibrate
 from llava.engines.transformers.selfcheck import self_check
@@ -68,7 +69,7 @@ class LlavaEngine:
         processor = load_processor(model_dir)
         replicas = [Replica(load_model(model_dir, d, config), d) for d in resolve_devices(config)]
         engine = cls(processor, replicas, config)
-        engine.fingerprint = snapshot.model_fingerprint(model_dir)
+        engine.fingerprint = model_fingerprint(model_dir)
         self_check(engine.runner)
         if not config.step_token_budget:  # 0: size it from this machine's speed, and follow it
             engine.runner.pacer = calibrate(engine.runner)
@@ -232,17 +233,8 @@ class LlavaEngine:
         agrees with the conversation's ids; the session's own history is left as it is.
         """
         runner = self.runner
-        texts = [p["text"] for m in chat for p in m["content"] if p["type"] == "text"]
-        for text in texts:
-            turns.refuse_placeholder(runner, text, "messages")
-        question = "".join(p["text"] for p in chat[-1]["content"] if p["type"] == "text")
-        turns.check_prompt_tokens(runner, question, "messages")
-        wanted = turns.images_in(chat)
-        if wanted != len(state.images.tokens):
-            raise InvalidRequest(
-                f"the messages hold {wanted} image(s), the session {len(state.images.tokens)}",
-                field="messages",
-            )
+        limit = runner.config.max_prompt_tokens
+        question = checks.check_chat(runner.chat, limit, chat, len(state.images.tokens))
         rendered = runner.chat.chat_prompt(
             state.system_prompt, chat, state.images.tokens, state.rendered
         )
@@ -263,7 +255,7 @@ class LlavaEngine:
 
         A re-sent chat with one more question carries on; a side request or an edited chat
         over the same start shares a prefix only, and is answered in a `fork`."""
-        if self.runner.images.keep_pixels or len(state.images.tokens) != turns.images_in(chat):
+        if self.runner.images.keep_pixels or len(state.images.tokens) != checks.images_in(chat):
             return 0, False
         chat_prompt = self.runner.chat.chat_prompt
         ids = chat_prompt(state.system_prompt, chat, state.images.tokens, state.rendered).ids

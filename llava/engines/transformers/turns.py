@@ -3,11 +3,10 @@ the session's cache already holds, and the turn that prefills the rest."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-from llava.core.errors import ContextLengthExceeded, InvalidRequest
+from llava.core.errors import ContextLengthExceeded
 from llava.core.params import GenerationParams
-from llava.engines.conversation.chat import Exchange, Message, common_prefix
+from llava.engines.conversation import checks
+from llava.engines.conversation.chat import Exchange, common_prefix
 from llava.engines.conversation.text import Detokenizer
 from llava.engines.transformers.decoding.sampling import make_generator
 from llava.engines.transformers.runner import ModelRunner
@@ -18,10 +17,7 @@ from llava.engines.transformers.state.session import SessionState, Turn
 
 def check_prompt_tokens(runner: ModelRunner, text: str, field: str) -> None:
     """Refuse a question over `max_prompt_tokens` (counted on its own)."""
-    limit = runner.config.max_prompt_tokens
-    tokens = runner.chat.tokens_over(text, limit)
-    if tokens is not None:
-        raise InvalidRequest(f"prompt is {tokens} tokens, the limit is {limit}", field=field)
+    checks.check_prompt_tokens(runner.chat, runner.config.max_prompt_tokens, text, field)
 
 
 def room_for_answer(runner: ModelRunner, ids: list[int], field: str) -> int:
@@ -88,15 +84,4 @@ def new_turn(
 
 def refuse_placeholder(runner: ModelRunner, text: str | None, field: str) -> None:
     """Refuse user text holding the image placeholder: images come only as images."""
-    token = runner.chat.image_token
-    if text and token in text:
-        raise InvalidRequest(
-            f"{field} contains the model's image placeholder {token!r}; "
-            "send images in the image field",
-            field=field,
-        )
-
-
-def images_in(chat: Sequence[Message]) -> int:
-    """Count the image parts of a chat."""
-    return sum(part["type"] == "image" for message in chat for part in message["content"])
+    checks.refuse_placeholder(runner.chat, text, field)

@@ -167,7 +167,7 @@ def family_parts(spec: TinySpec, tokenizer: Any) -> tuple[Any, Any]:
     """Return the model class and the processor (torchvision-free image processors)."""
     import transformers
 
-    from llava.engines.transformers.model.loading import images_only
+    from llava.engines.checkpoint import images_only
 
     size = spec.image_size
     square = {"height": size, "width": size}

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from llava.engines.conversation.text import visible_text
+from llava.engines.conversation.text import show
 from llava.engines.transformers.decoding.batch import DecodeBatch, batch_bytes
 from llava.engines.transformers.decoding.sampling import next_token
 from llava.engines.transformers.model.cache import crop_to
@@ -174,18 +174,10 @@ class Decoder:
         turn.generated.append(token)
         turn.detokenizer.add(token)
         turn.pending = [token]
-        if self._show(turn, final=False):
+        if show(turn, final=False):
             self._finish(turn, "stop")
         elif len(turn.generated) >= turn.max_new_tokens:
             self._finish(turn, "length")
-
-    @staticmethod
-    def _show(turn: Turn, *, final: bool) -> bool:
-        """Extend the answer's shown text; return True if it reached a stop string."""
-        shown, stopped = visible_text(turn.detokenizer.text, turn.params.stop, final=final)
-        turn.delta += shown[len(turn.text) :]
-        turn.text = shown
-        return stopped
 
     def cut_short(self, turn: Turn) -> None:
         """End an answer now, with the text it has, as if it reached its length limit."""
@@ -194,7 +186,7 @@ class Decoder:
 
     def _finish(self, turn: Turn, reason: str) -> None:
         turn.detokenizer.flush()
-        if self._show(turn, final=True):  # the text held back at the end completed a stop
+        if show(turn, final=True):  # the text held back at the end completed a stop
             reason = "stop"
         turn.done, turn.finish_reason = True, reason
         turn.finished_at = time.perf_counter()

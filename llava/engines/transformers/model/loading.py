@@ -8,8 +8,6 @@ passes, so a mismatch fails the worker with a message instead of answering wrong
 
 from __future__ import annotations
 
-import importlib
-import json
 import logging
 import os
 import time
@@ -89,56 +87,6 @@ def load_model(model_dir: Path, device: torch.device, config: ServerConfig) -> A
     model.eval()
     log.info("loaded %s on %s in %.1f s", model_dir.name, device, time.perf_counter() - started)
     return model
-
-
-def load_processor(model_dir: Path) -> Any:
-    """Load the checkpoint's processor through `AutoProcessor`, images only without torchvision.
-
-    OneVision's processor also holds a video processor, which transformers builds only with
-    torchvision installed (the SageMaker PyTorch image has it). Without it, the processor is
-    built from the same files with its video part left out; images are processed identically.
-    """
-    from transformers import AutoProcessor
-    from transformers.utils import is_torchvision_available
-
-    config_file = model_dir / "processor_config.json"
-    name = (
-        json.loads(config_file.read_text()).get("processor_class") if config_file.exists() else None
-    )
-    if is_torchvision_available() or name is None:
-        return AutoProcessor.from_pretrained(model_dir)
-    from transformers.models.auto.processing_auto import processor_class_from_name
-
-    processor_class = processor_class_from_name(name)
-    if processor_class is None or "video_processor" not in processor_class.get_attributes():
-        return AutoProcessor.from_pretrained(model_dir)
-    log.info("torchvision is not installed: %s is loaded without its video processor", name)
-    return images_only(processor_class).from_pretrained(model_dir)
-
-
-def images_only(processor_class: Any) -> Any:
-    """Return a subclass of a multimodal processor class that has no video processor."""
-
-    class ImagesOnly(processor_class):
-        @classmethod
-        def get_attributes(cls) -> list[str]:
-            return [a for a in super().get_attributes() if a != "video_processor"]
-
-        def __reduce__(self) -> tuple[Any, ...]:  # image processes get a pickled copy
-            real = (processor_class.__module__, processor_class.__qualname__)
-            return _rebuild_images_only, (*real, self.__dict__)
-
-    # Saved and logged under the real class's name, so a checkpoint it writes loads anywhere.
-    ImagesOnly.__name__ = ImagesOnly.__qualname__ = processor_class.__name__
-    return ImagesOnly
-
-
-def _rebuild_images_only(module: str, qualname: str, state: dict[str, Any]) -> Any:
-    """Unpickle a processor made by `images_only`."""
-    cls = images_only(getattr(importlib.import_module(module), qualname))
-    processor = cls.__new__(cls)
-    processor.__dict__.update(state)
-    return processor
 
 
 def transformers_version() -> str:

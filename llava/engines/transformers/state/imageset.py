@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from llava.core.errors import InvalidRequest
+from llava.engines.conversation.checks import check_added_image, check_image_count
 from llava.engines.transformers.model.loading import HOST
 from llava.engines.transformers.model.vision import (
     ProcessedImages,
@@ -170,18 +170,7 @@ class ImageEncoder:
 
     def check_count(self, count: int) -> None:
         """Refuse a conversation with more images than the model or the session takes."""
-        if count > 1 and not self.multi_image:
-            raise InvalidRequest(
-                f"the conversation has {count} images and this model was trained on one per "
-                "conversation (LLaVA-OneVision and LLaVA-Interleave take several)",
-                field="messages",
-            )
-        if count > self.max_images:
-            raise InvalidRequest(
-                f"the conversation has {count} images, over the limit of {self.max_images} "
-                "(max_images_per_session)",
-                field="messages",
-            )
+        check_image_count(count, self.multi_image, self.max_images)
 
     def for_turn(
         self, current: ImageSet, image: PreparedImages | None, history: bool
@@ -190,21 +179,10 @@ class ImageEncoder:
         refuse an added image the model or the session cannot take."""
         if image is None:
             return (current, False) if history else self.first_alone(current)
-        if not self.multi_image and current.tokens:
-            raise InvalidRequest(
-                "this model was trained on one image per conversation; open a new session to "
-                "ask about another image (LLaVA-OneVision and LLaVA-Interleave take several)",
-                field="image",
-            )
+        refused = None
         if not history or self.keep_pixels:
-            why = '"history": false' if not history else 'cache_mode "pixels"'
-            raise InvalidRequest(f"an image cannot be added with {why}", field="image")
-        if len(current.tokens) >= self.max_images:
-            raise InvalidRequest(
-                f"the session holds {self.max_images} images, the limit "
-                "(max_images_per_session); open a new session",
-                field="image",
-            )
+            refused = '"history": false' if not history else 'cache_mode "pixels"'
+        check_added_image(len(current.tokens), self.multi_image, self.max_images, refused)
         return self.add(current, image)
 
     def add(self, current: ImageSet, prepared: PreparedImages) -> tuple[ImageSet, bool]:

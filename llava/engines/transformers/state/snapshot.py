@@ -15,10 +15,8 @@ place; the history list is copied); the serialisation runs later, on the snapsho
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -33,17 +31,6 @@ from llava.engines.transformers.state.imageset import ImageSet
 from llava.engines.transformers.state.session import Replica, SessionState
 
 FORMAT = "llava-session-snapshot/1"
-
-
-def model_fingerprint(model_dir: Path) -> str:
-    """Identify a checkpoint by its config and its weight files' names and sizes."""
-    digest = hashlib.sha256()
-    for path in sorted(model_dir.iterdir()):
-        if path.name == "config.json":
-            digest.update(path.read_bytes())
-        elif path.suffix in (".safetensors", ".bin"):
-            digest.update(f"{path.name}:{path.stat().st_size};".encode())
-    return digest.hexdigest()[:32]
 
 
 def capture(state: SessionState, fingerprint: str, extra: dict[str, Any]) -> Callable[[], bytes]:

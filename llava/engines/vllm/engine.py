@@ -1,0 +1,365 @@
+"""The vLLM engine: the kit's sessions on vLLM's `LLMEngine` (`engine: vllm`).
+
+A session is its conversation (`state.py`); each turn is one vLLM request holding the whole
+conversation's token ids, exactly as transformers' pipeline renders and tokenizes them (the
+chat template, BOS included, one image placeholder per picture, which vLLM expands), and its
+pictures under their content ids. The ids come from the last turn's prompt (only what a turn
+adds is rendered and tokenized: `conversation/incremental.py`); vLLM's prefix cache finds the
+keys and values it still holds of them, and its encoder cache the pictures' features.
+
+    engine = VllmEngine.load("path/to/checkpoint", ServerConfig(engine="vllm"))
+    state = engine.new_session(engine.image_preparer()(image, []))
+    turn = engine.start_turn(state, "What is in the picture?", GenerationParams())
+    while not turn.done:
+        engine.step([turn])
+    engine.finish_turn(turn)
+
+Each `step()` is one `LLMEngine.step()`: every request in flight advances together, and each
+output goes to its turn. A dead engine core (`EngineDeadError`) fails the answers in flight (the
+service rolls each back to its session's last finished turn) and a new engine is started on a
+thread; meanwhile requests are refused with 503 `engine_restarting`. Sessions live in the
+worker, so none is lost.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import re
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from llava.core.config import ServerConfig
+from llava.core.errors import ContextLengthExceeded, EngineRestarting, InvalidRequest
+from llava.core.families import Family, checkpoint_family
+from llava.core.params import GenerationParams
+from llava.core.tiers import Tier
+from llava.engines.checkpoint import load_processor, model_fingerprint
+from llava.engines.conversation import checks
+from llava.engines.conversation.chat import ChatFormatter, Exchange, Message, common_prefix
+from llava.engines.conversation.text import Detokenizer
+from llava.engines.vllm import snapshot
+from llava.engines.vllm.images import VllmImage, VllmImagePreparer
+from llava.engines.vllm.requests import Requests
+from llava.engines.vllm.starting import engine_dead_error, engine_metrics, start_engine
+from llava.engines.vllm.state import VllmSession, VllmTurn
+
+log = logging.getLogger(__name__)
+
+
+class VllmEngine:
+    """Run the kit's sessions on vLLM: open, answer step by step, commit or roll back."""
+
+    def __init__(
+        self,
+        start: Callable[[], Any],
+        processor: Any,
+        family: Family,
+        config: ServerConfig,
+        eos_ids: set[int],
+        fingerprint: str = "",
+    ) -> None:
+        self._start = start
+        self.requests = Requests(start(), eos_ids)
+        self.chat = ChatFormatter(processor)
+        self.tokenizer = processor.tokenizer
+        self.config = config
+        self.fingerprint = fingerprint
+        text_model = processor_text_model(self.requests.llm)
+        self.multi_image = family.multi_image(text_model)
+        self.max_context = self.requests.max_model_len
+        self.restarts = 0
+        self._restart: threading.Thread | None = None
+        self._dead = engine_dead_error()
+        self._ids = itertools.count()
+
+    @classmethod
+    def load(cls, model_dir: str | Path, config: ServerConfig) -> VllmEngine:
+        """Start vLLM on a checkpoint in llava-hf's hub layout, with its processor beside it."""
+        model_dir = Path(model_dir)
+        family = checkpoint_family(model_dir)
+        processor = load_processor(model_dir)
+        return cls(
+            lambda: start_engine(model_dir, config),
+            processor,
+            family,
+            config,
+            eos_ids(model_dir, processor.tokenizer),
+            model_fingerprint(model_dir),
+        )
+
+    # -- sessions --------------------------------------------------------------------------
+    def image_preparer(self) -> VllmImagePreparer:
+        """Return what the image processes run: RGB conversion and the content id."""
+        return VllmImagePreparer()
+
+    def earlier_images(self, state: VllmSession) -> list[Any]:
+        """Return nothing: vLLM processes a conversation's pictures itself, together."""
+        return []
+
+    def new_session(self, image: Any, system_prompt: str | None = None) -> VllmSession:
+        """Make a session's state from a prepared picture (or none); nothing runs yet."""
+        checks.refuse_placeholder(self.chat, system_prompt, "system_prompt")
+        images = () if image is None else (VllmImage.of(image),)
+        return VllmSession(system_prompt, images, self._prefix(system_prompt, len(images)))
+
+    def start_open(self, state: VllmSession) -> VllmTurn:
+        """Return the turn that prefills a new session's picture and opening (a one-token
+        request, so vLLM's caches hold them when the first question comes); a text-only
+        session has nothing worth prefilling."""
+        turn = self._turn(state, "", GenerationParams(max_new_tokens=1), state.prefix_ids)
+        turn.opening = True
+        if state.images:
+            self._submit(turn)
+        else:
+            turn.done = True
+        return turn
+
+    def replay(self, state: VllmSession, history: list[tuple[str, str]]) -> None:
+        """Give a state made by `new_session` earlier questions and answers."""
+        for question, _ in history:
+            checks.refuse_placeholder(self.chat, question, "history")
+        state.history = [Exchange(question, answer) for question, answer in history]
+
+    def release(self, state: VllmSession) -> None:
+        """Forget a session (vLLM's caches let its blocks go as they need room)."""
+        state.images, state.ids, state.rendered = (), [], None
+
+    def snapshot(self, state: VllmSession, extra: dict[str, Any]) -> Callable[[], bytes]:
+        """Capture what rebuilds a session: its conversation and pictures."""
+        return snapshot.capture(state, self.fingerprint, extra)
+
+    def resume(self, data: bytes) -> tuple[VllmSession, dict[str, Any]]:
+        """Rebuild a session from its snapshot; ValueError if it is not one of this model's."""
+        state, extra = snapshot.restore(data, self.fingerprint)
+        state.prefix_ids = self._prefix(state.system_prompt, state.opening_images)
+        return state, extra
+
+    def offload(self, state: VllmSession) -> int:
+        return 0  # nothing of a session is on the device: vLLM's cache is shared
+
+    def drop_cache(self, state: VllmSession) -> int:
+        return 0
+
+    def card(self, state: VllmSession) -> int:
+        return 0
+
+    # -- turns -----------------------------------------------------------------------------
+    def start_turn(
+        self,
+        state: VllmSession,
+        prompt: str,
+        params: GenerationParams,
+        *,
+        history: bool = True,
+        image: Any = None,
+    ) -> VllmTurn:
+        """Render the conversation's ids (from the last prompt's) and hand vLLM the request."""
+        checks.refuse_placeholder(self.chat, prompt, "prompt")
+        checks.check_prompt_tokens(self.chat, self.config.max_prompt_tokens, prompt, "prompt")
+        images = state.images if history else state.images[: state.opening_images]
+        if image is not None:
+            refused = None if history else '"history": false'
+            checks.check_added_image(
+                len(state.images), self.multi_image, self.config.max_images_per_session, refused
+            )
+            images = (*images, VllmImage.of(image))
+        added = 0 if image is None else 1
+        past = state.history if history else []
+        messages = self.chat.messages(
+            state.system_prompt, past, prompt, added, state.opening_images
+        )
+        held = state.rendered if history else None
+        rendered = self.chat.prompt(messages, [1] * len(images), held)
+        turn = self._turn(state, prompt, params, rendered.ids, images, past)
+        turn.added_images, turn.branch, turn.rendered = added, not history, rendered
+        self._submit(turn, "prompt")
+        return turn
+
+    def start_chat(
+        self, state: VllmSession, chat: Sequence[Message], params: GenerationParams
+    ) -> VllmTurn:
+        """Answer a client's whole conversation (OpenAI chat completions), rendered as sent."""
+        limit = self.config.max_prompt_tokens
+        question = checks.check_chat(self.chat, limit, chat, len(state.images))
+        rendered = self._chat_prompt(state, chat)
+        turn = self._turn(state, question, params, rendered.ids, state.images, state.history)
+        turn.records_exchange, turn.rendered = False, rendered
+        self._submit(turn, "messages")
+        return turn
+
+    def held_of_chat(self, state: VllmSession, chat: Sequence[Message]) -> tuple[int, bool]:
+        """Return how many of a chat's ids the session's last turn had, and whether the chat
+        carries on its conversation (it holds all of it up to the last answer cue)."""
+        if len(state.images) != checks.images_in(chat):
+            return 0, False
+        held = common_prefix(state.ids, self._chat_prompt(state, chat).ids)
+        return held, held >= state.prompt_len
+
+    def fork(self, state: VllmSession, length: int) -> VllmSession:
+        """Return a new session with `state`'s pictures and the first `length` of its ids."""
+        copy = VllmSession(state.system_prompt, state.images, state.prefix_ids)
+        copy.history, copy.rendered = list(state.history), state.rendered
+        copy.ids = state.ids[:length]
+        return copy
+
+    def step(self, turns: list[VllmTurn]) -> dict[int, BaseException]:
+        """Run one step of vLLM's engine; return the failures of `turns` by position."""
+        try:
+            self.requests.step()
+        except self._dead as exc:
+            self._engine_died(exc)
+        return {i: t.error for i, t in enumerate(turns) if t.error is not None}
+
+    def cut_short(self, turn: VllmTurn) -> None:
+        """End an answer now with what it has generated (finish reason "length")."""
+        self.requests.finish(turn, "length")
+
+    def finish_turn(self, turn: VllmTurn) -> None:
+        """Commit a finished answer to its session (a branch leaves no trace)."""
+        self.requests.forget(turn)
+        if turn.branch:
+            return
+        state = turn.state
+        state.ids = turn.ids + turn.generated
+        state.images, state.prompt_len, state.rendered = turn.images, len(turn.ids), turn.rendered
+        if not turn.opening and turn.records_exchange:
+            state.history = [*turn.past, Exchange(turn.prompt, turn.text, turn.added_images)]
+
+    def abort_turn(self, turn: VllmTurn) -> None:
+        """Drop an unfinished answer: vLLM stops it; the session never saw it."""
+        self.requests.abort(turn)
+
+    def rollback(self, state: VllmSession) -> int:
+        """Undo the last question and answer; return the questions left."""
+        if not state.history:
+            raise InvalidRequest("the session has no answered question to roll back", field="type")
+        if state.history[-1].added_images:
+            raise InvalidRequest(
+                "the last question added an image, which cannot be rolled back; open a new "
+                "session to ask it differently",
+                field="type",
+            )
+        state.history = state.history[:-1]
+        state.ids, state.prompt_len = state.ids[: state.prompt_len], 0
+        return len(state.history)
+
+    @staticmethod
+    def out_of_memory(exc: BaseException) -> bool:
+        return False  # vLLM keeps a request it has no room for in its queue
+
+    def free_memory(self) -> None:
+        """Nothing to free: vLLM preallocates its cache."""
+
+    # -- internals -------------------------------------------------------------------------
+    def _prefix(self, system_prompt: str | None, images: int) -> list[int]:
+        return self.chat.tokenize(self.chat.prefix_text(system_prompt, images), [1] * images)
+
+    def _chat_prompt(self, state: VllmSession, chat: Sequence[Message]) -> Any:
+        images = [1] * len(state.images)
+        return self.chat.chat_prompt(state.system_prompt, chat, images, state.rendered)
+
+    def _turn(
+        self,
+        state: VllmSession,
+        prompt: str,
+        params: GenerationParams,
+        ids: list[int],
+        images: tuple[VllmImage, ...] | None = None,
+        past: list[Exchange] | None = None,
+    ) -> VllmTurn:
+        return VllmTurn(
+            state=state,
+            request_id=f"turn-{next(self._ids)}",
+            prompt=prompt,
+            params=params,
+            ids=list(ids),
+            images=state.images if images is None else images,
+            past=list(past or []),
+            detokenizer=Detokenizer(self.tokenizer),
+            found_in=Tier.FEATURES,
+            max_new_tokens=params.max_new_tokens,
+        )
+
+    def _submit(self, turn: VllmTurn, field: str = "prompt") -> None:
+        """Hand vLLM the turn's request; its refusals are the client's 400s."""
+        if self._restart is not None:
+            raise EngineRestarting("the model's engine is restarting after a failure")
+        checks.check_image_count(
+            len(turn.images), self.multi_image, self.config.max_images_per_session
+        )
+        try:
+            self.requests.submit(turn)
+        except self._dead as exc:
+            self._engine_died(exc)
+            raise EngineRestarting("the model's engine is restarting after a failure") from exc
+        except ValueError as exc:  # vLLM's validation errors are ValueErrors
+            raise refused(exc, field, self.max_context) from exc
+
+    def _engine_died(self, exc: BaseException) -> None:
+        """Fail every answer in flight and start a new engine on a thread."""
+        if self._restart is not None:
+            return
+        log.error("vLLM's engine core died (%s); starting a new one", exc)
+        self.requests.fail_all(EngineRestarting("the model's engine failed during this answer"))
+        self._restart = threading.Thread(target=self._restart_engine, name="vllm-restart")
+        self._restart.start()
+
+    def _restart_engine(self) -> None:
+        old = self.requests.llm
+        try:
+            old.engine_core.shutdown()
+        except Exception:  # it is dead already; whatever is left is freed with it
+            log.debug("shutting the dead engine down failed", exc_info=True)
+        while True:
+            try:
+                self.requests.replace(self._start())
+                break
+            except Exception:
+                log.exception("starting vLLM's engine again failed; retrying")
+        self.restarts += 1
+        self._restart = None
+        log.info("vLLM's engine is back; sessions carry on from their last finished turn")
+
+    @property
+    def ready(self) -> bool:
+        """Tell whether the engine takes requests (False while it restarts)."""
+        return self._restart is None
+
+    def stats(self) -> dict[str, int]:
+        """Return vLLM's own figures (from its Prometheus registry) and the kit's restarts."""
+        return {**engine_metrics(), "restarts": self.restarts}
+
+
+def refused(exc: ValueError, field: str, max_context: int) -> InvalidRequest:
+    """Turn vLLM's refusal of a request into the kit's 400 (the context one, where it is)."""
+    message = str(exc)
+    found = re.search(r"prompt \(length (\d+)\)", message)
+    if found and "maximum model length" in message:
+        tokens = int(found.group(1))
+        return ContextLengthExceeded(
+            f"the conversation is {tokens} tokens and the model's context is {max_context}: "
+            "open a new session, or shorten the conversation",
+            field=field,
+            limit=max_context,
+            tokens=tokens,
+        )
+    return InvalidRequest(f"the model's engine refused the request: {message}", field=field)
+
+
+def processor_text_model(llm: Any) -> str:
+    """Return the checkpoint's text model type (which decides if it takes several images)."""
+    config = llm.model_config.hf_config
+    return str(config.get_text_config().model_type)
+
+
+def eos_ids(model_dir: Path, tokenizer: Any) -> set[int]:
+    """Return the ids that end an answer, as the transformers engine reads them."""
+    path = model_dir / "generation_config.json"
+    eos = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    return set(eos if isinstance(eos, list) else [eos])

@@ -1,0 +1,116 @@
+"""The turns in flight as vLLM requests: submit, step, route each output to its turn, stop.
+
+Outputs come as deltas of token ids (vLLM does not detokenize them): the kit's own detokenizer
+and stop-string cut make the text, so an answer reads the same on either engine, and the ids
+that end an answer are the checkpoint's, as on the transformers engine.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from llava.engines.conversation.text import show
+from llava.engines.vllm.state import VllmTurn
+
+
+class Requests:
+    """Hold vLLM's engine and the turn of each request it runs."""
+
+    def __init__(self, llm: Any, eos_ids: set[int]) -> None:
+        self.llm = llm
+        self.eos_ids = eos_ids
+        self._running: dict[str, VllmTurn] = {}
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.llm.model_config.max_model_len)
+
+    def submit(self, turn: VllmTurn) -> None:
+        """Add the turn's request (vLLM runs its processor here, on what it has not seen)."""
+        from vllm import SamplingParams, TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        prompt = TokensPrompt(prompt_token_ids=turn.ids)
+        if turn.images:
+            prompt["multi_modal_data"] = {"image": [image.image for image in turn.images]}
+            prompt["multi_modal_uuids"] = {"image": [image.uuid for image in turn.images]}
+        params = turn.params
+        sampling = SamplingParams(
+            temperature=params.temperature,
+            top_p=params.top_p,
+            seed=params.seed,
+            max_tokens=turn.max_new_tokens,
+            stop_token_ids=sorted(self.eos_ids),
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        self.llm.add_request(turn.request_id, prompt, sampling)
+        self._running[turn.request_id] = turn
+
+    def step(self) -> None:
+        """Run one engine step and give each output to its turn."""
+        for running in self._running.values():
+            running.delta = ""
+        if not self.llm.has_unfinished_requests():
+            return
+        for output in self.llm.step():
+            turn = self._running.get(output.request_id)
+            if turn is None:  # aborted meanwhile
+                continue
+            if output.prompt_token_ids is not None:
+                turn.prompt_tokens = len(output.prompt_token_ids)
+            turn.cached_tokens = output.num_cached_tokens or 0
+            completion = output.outputs[0]
+            self._accept(turn, list(completion.token_ids))
+            if output.finished and not turn.done:
+                self.finish(turn, "length" if completion.finish_reason == "length" else "stop")
+
+    def _accept(self, turn: VllmTurn, tokens: list[int]) -> None:
+        if turn.opening:
+            return
+        for token in tokens:
+            if turn.first_token_at is None:
+                turn.first_token_at = time.perf_counter()
+            if token in self.eos_ids:
+                self.finish(turn, "stop")
+                return
+            turn.generated.append(token)
+            turn.detokenizer.add(token)
+            if show(turn, final=False):
+                self.finish(turn, "stop")
+                return
+            if len(turn.generated) >= turn.max_new_tokens:
+                self.finish(turn, "length")
+                return
+
+    def finish(self, turn: VllmTurn, reason: str) -> None:
+        """End an answer with the text it has (vLLM stops the request if it still runs)."""
+        if turn.done:
+            return
+        self.abort(turn)
+        turn.detokenizer.flush()
+        if show(turn, final=True):  # the text held back at the end completed a stop
+            reason = "stop"
+        turn.done, turn.finish_reason = True, reason
+        turn.finished_at = time.perf_counter()
+
+    def abort(self, turn: VllmTurn) -> None:
+        """Stop a turn's request if vLLM still runs it."""
+        if self._running.pop(turn.request_id, None) is not None:
+            self.llm.abort_request([turn.request_id])
+
+    def forget(self, turn: VllmTurn) -> None:
+        """Let go of a finished turn."""
+        self._running.pop(turn.request_id, None)
+
+    def fail_all(self, error: BaseException) -> None:
+        """Fail every turn in flight (the engine is gone: nothing to abort)."""
+        for turn in self._running.values():
+            turn.error = error
+        self._running.clear()
+
+    def replace(self, llm: Any) -> None:
+        """Take a new engine (after the old one died)."""
+        self._running.clear()
+        self.llm = llm

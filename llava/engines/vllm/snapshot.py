@@ -1,0 +1,70 @@
+"""A vLLM session's snapshot: its conversation and its pictures, nothing of the device.
+
+A safetensors file (arrays and a JSON header: nothing is unpickled) holding each picture's RGB
+pixels, the system prompt, the questions and answers, and the model's fingerprint, so it is never
+restored into another model. Each picture's content id is recomputed from its pixels on restore
+(and must match the recorded one): vLLM trusts ids, so a wrong one must never reach it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from PIL import Image
+from safetensors.numpy import load as load_arrays
+from safetensors.numpy import save as save_arrays
+
+from llava.engines.conversation.chat import Exchange
+from llava.engines.vllm.images import VllmImage
+from llava.engines.vllm.state import VllmSession
+
+FORMAT = "llava-vllm-session/1"
+
+
+def capture(state: VllmSession, fingerprint: str, extra: dict[str, Any]) -> Callable[[], bytes]:
+    """Take what rebuilds `state` (references only); return the serialiser for later."""
+    meta = {
+        "format": FORMAT,
+        "model": fingerprint,
+        "system_prompt": state.system_prompt,
+        "history": [[e.prompt, e.answer, e.added_images] for e in state.history],
+        "uuids": [image.uuid for image in state.images],
+        "extra": extra,
+    }
+    images = list(state.images)
+
+    def serialise() -> bytes:
+        arrays = {f"image.{i}": np.asarray(im.image) for i, im in enumerate(images)}
+        return bytes(save_arrays(arrays, metadata={"llava": json.dumps(meta)}))
+
+    return serialise
+
+
+def restore(data: bytes, fingerprint: str) -> tuple[VllmSession, dict[str, Any]]:
+    """Rebuild a session's conversation (its prefix ids are the engine's to fill in) and the
+    service's extra data; raise ValueError when the bytes are not a snapshot of this model."""
+    try:
+        arrays = load_arrays(data)
+        header_len = int.from_bytes(data[:8], "little")
+        meta = json.loads(json.loads(data[8 : 8 + header_len])["__metadata__"]["llava"])
+    except Exception as exc:  # safetensors raises its own error types
+        raise ValueError(f"not a session snapshot: {exc}") from exc
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"unknown snapshot format {meta.get('format')!r}")
+    if meta.get("model") != fingerprint:
+        raise ValueError("the snapshot was taken with a different model")
+    images = []
+    for i, uuid in enumerate(meta["uuids"]):
+        pixels = arrays.get(f"image.{i}")
+        if pixels is None or pixels.ndim != 3 or pixels.shape[2] != 3 or pixels.dtype != np.uint8:
+            raise ValueError(f"the snapshot's picture {i} is missing or not RGB pixels")
+        image = VllmImage.of(Image.fromarray(pixels))
+        if image.uuid != uuid:
+            raise ValueError(f"the snapshot's picture {i} does not match its content id")
+        images.append(image)
+    history = [Exchange(p, a, n) for p, a, n in meta["history"]]
+    state = VllmSession(meta["system_prompt"], tuple(images), [], history)
+    return state, meta["extra"]

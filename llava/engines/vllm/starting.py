@@ -1,0 +1,89 @@
+"""Start vLLM's engine for a checkpoint, with the kit's settings (`engine: vllm`).
+
+The V1 `LLMEngine` is what the kit steps: it takes requests by id, advances every one of them
+per `step()` (continuous batching, chunked prefill, prefix caching, CUDA graphs on a GPU) and
+returns each request's new tokens, which is the contract's `step` already. `AsyncLLM` would add
+an event loop of its own under the kit's step loop. Its engine core runs in a process of its own
+(vLLM's default), so a crash there leaves the worker, and every session in it, standing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from llava.core.config import ServerConfig
+
+log = logging.getLogger(__name__)
+
+
+def engine_args(model_dir: Path, config: ServerConfig) -> Any:
+    """Translate the kit's settings into vLLM's `EngineArgs`."""
+    from vllm import EngineArgs
+
+    dtype = "auto" if config.dtype == "auto" else config.dtype
+    return EngineArgs(
+        model=str(model_dir),
+        dtype=dtype,
+        seed=0,
+        max_model_len=config.max_context_tokens or None,
+        enforce_eager=config.enforce_eager,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        tensor_parallel_size=config.tensor_parallel_size,
+        kv_cache_memory_bytes=int(config.kv_cache_gb * 2**30) or None,
+        enable_prefix_caching=True,
+        limit_mm_per_prompt={"image": config.max_images_per_session},
+        # Sampling follows the request alone, as on the transformers engine: the checkpoint's
+        # generation_config.json sets no defaults (its end-of-answer ids are passed per request).
+        generation_config="vllm",
+        disable_log_stats=False,
+    )
+
+
+def start_engine(model_dir: Path, config: ServerConfig) -> Any:
+    """Start an `LLMEngine` (its engine core in its own process unless
+    VLLM_ENABLE_V1_MULTIPROCESSING=0); raise what vLLM raises if it cannot."""
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")  # the worker's logging stays its own
+    log.info("starting vLLM's engine on %s", model_dir)
+    return LLMEngine.from_engine_args(engine_args(model_dir, config))
+
+
+def engine_dead_error() -> type[BaseException]:
+    """Return vLLM's error for an engine core that died (kill -9, a crash in a kernel)."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    return EngineDeadError
+
+
+def validation_error() -> type[BaseException]:
+    """Return vLLM's error for a request it refuses (too long for the model, bad ids)."""
+    from vllm.exceptions import VLLMValidationError
+
+    return VLLMValidationError
+
+
+# vLLM's metrics the kit republishes, and the names they take there (a gauge in percent).
+METRICS = {
+    "vllm:num_requests_running": "requests_running",
+    "vllm:num_requests_waiting": "requests_waiting",
+    "vllm:kv_cache_usage_perc": "kv_cache_usage_percent",
+    "vllm:prefix_cache_queries": "prefix_cache_queries",
+    "vllm:prefix_cache_hits": "prefix_cache_hits",
+}
+
+
+def engine_metrics() -> dict[str, int]:
+    """Read vLLM's own figures from its Prometheus registry (empty if it keeps none)."""
+    from vllm.v1.metrics.reader import Counter, Gauge, get_metrics_snapshot
+
+    out: dict[str, int] = {}
+    for metric in get_metrics_snapshot():
+        name = METRICS.get(metric.name)
+        if name is not None and isinstance(metric, (Counter, Gauge)):
+            scale = 100 if name.endswith("percent") else 1
+            out[name] = out.get(name, 0) + round(metric.value * scale)
+    return out
