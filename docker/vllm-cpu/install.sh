@@ -28,8 +28,13 @@ test -x "$venv/bin/python" || "$python" -m venv "$venv"
 site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 cp "$here/llava_kit_no_torchvision.py" "$site/"
 echo "import llava_kit_no_torchvision" > "$site/llava_kit_no_torchvision.pth"
-# The kit itself (its engine extra: vLLM's transformers release, not the kit's lock) and pytest.
-"$venv/bin/python" -m pip install -q --no-deps -e "$root"
-"$venv/bin/python" -m pip install -q pyyaml httpx pytest safetensors accelerate
+# The kit itself with its fronts (TorchServe, the local runtime, boto3), vLLM's transformers
+# release kept (not the kit's lock), and what its tests there use. The constraint keeps pip from
+# re-resolving torch or transformers, which would bring the CUDA packages back.
+constraints="$(mktemp)"
+"$venv/bin/python" -m pip freeze | grep -iE '^(torch|transformers|tokenizers)==' > "$constraints"
+"$venv/bin/python" -m pip install -q -c "$constraints" -e "$root[serve,aws]" \
+    pyyaml httpx pytest safetensors accelerate "moto[s3]>=5" flask flask-cors "openai>=1.40"
+rm -f "$constraints"
 "$venv/bin/python" -c 'import vllm.model_executor.models.llava' # fails here, not in a test
 echo "vLLM $VLLM_VERSION (CPU) installed in $venv"

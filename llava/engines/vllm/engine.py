@@ -44,7 +44,12 @@ from llava.engines.conversation.text import Detokenizer
 from llava.engines.vllm import snapshot
 from llava.engines.vllm.images import VllmImage, VllmImagePreparer
 from llava.engines.vllm.requests import Requests
-from llava.engines.vllm.starting import engine_dead_error, engine_metrics, start_engine
+from llava.engines.vllm.starting import (
+    client_errors,
+    engine_dead_error,
+    engine_metrics,
+    start_engine,
+)
 from llava.engines.vllm.state import VllmSession, VllmTurn
 
 log = logging.getLogger(__name__)
@@ -74,6 +79,7 @@ class VllmEngine:
         self.restarts = 0
         self._restart: threading.Thread | None = None
         self._dead = engine_dead_error()
+        self._refusals = client_errors()
         self._ids = itertools.count()
 
     @classmethod
@@ -296,7 +302,7 @@ class VllmEngine:
         except self._dead as exc:
             self._engine_died(exc)
             raise EngineRestarting("the model's engine is restarting after a failure") from exc
-        except ValueError as exc:  # vLLM's validation errors are ValueErrors
+        except self._refusals as exc:
             raise refused(exc, field, self.max_context) from exc
 
     def _engine_died(self, exc: BaseException) -> None:
@@ -334,12 +340,12 @@ class VllmEngine:
         return {**engine_metrics(), "restarts": self.restarts}
 
 
-def refused(exc: ValueError, field: str, max_context: int) -> InvalidRequest:
+def refused(exc: BaseException, field: str, max_context: int) -> InvalidRequest:
     """Turn vLLM's refusal of a request into the kit's 400 (the context one, where it is)."""
     message = str(exc)
-    found = re.search(r"prompt \(length (\d+)\)", message)
-    if found and "maximum model length" in message:
-        tokens = int(found.group(1))
+    found = re.search(r"prompt contains (\d+) input tokens|prompt \(length (\d+)\)", message)
+    if found:
+        tokens = int(found.group(1) or found.group(2))
         return ContextLengthExceeded(
             f"the conversation is {tokens} tokens and the model's context is {max_context}: "
             "open a new session, or shorten the conversation",

@@ -30,8 +30,11 @@ class VllmImage:
         return width * height * 3
 
     @classmethod
-    def of(cls, image: Image.Image) -> VllmImage:
-        """Convert to RGB (as the processor would) and name the result by its pixels."""
+    def of(cls, image: Any) -> VllmImage:
+        """Convert to RGB (as the processor would) and name the result by its pixels (a
+        prepared picture is taken as it is)."""
+        if isinstance(image, VllmImage):
+            return image
         rgb = image if image.mode == "RGB" else image.convert("RGB")
         digest = hashlib.sha256(f"{rgb.size[0]}x{rgb.size[1]}:".encode())
         digest.update(rgb.tobytes())
@@ -43,4 +46,4 @@ class VllmImagePreparer:
     (vLLM's processor runs inside the engine, once per picture it has not seen)."""
 
     def __call__(self, image: Any, earlier: list[Any]) -> VllmImage:
-        return image if isinstance(image, VllmImage) else VllmImage.of(image)
+        return VllmImage.of(image)

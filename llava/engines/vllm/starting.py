@@ -49,7 +49,36 @@ def start_engine(model_dir: Path, config: ServerConfig) -> Any:
 
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")  # the worker's logging stays its own
     log.info("starting vLLM's engine on %s", model_dir)
-    return LLMEngine.from_engine_args(engine_args(model_dir, config))
+    llm = LLMEngine.from_engine_args(engine_args(model_dir, config))
+    watch_engine_core(llm)
+    return llm
+
+
+def watch_engine_core(llm: Any) -> None:
+    """Wake a step waiting on a dead engine core with `EngineDeadError`.
+
+    vLLM's synchronous client (0.32) notices a dead core and shuts itself down, but its output
+    thread then exits without a word, and a step already waiting for outputs waits for ever
+    (its asyncio client sends `EngineDeadError` instead). A thread waiting on the core
+    processes' exit sends it here. An engine core in the worker's own process has no such
+    process: its death is the worker's, and TorchServe restarts the worker."""
+    import multiprocessing.connection
+    import threading
+
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    client = llm.engine_core
+    manager = getattr(getattr(client, "resources", None), "engine_manager", None)
+    processes = list(getattr(manager, "processes", None) or [])
+    outputs = getattr(client, "outputs_queue", None)
+    if not processes or outputs is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([process.sentinel for process in processes])
+        outputs.put_nowait(EngineDeadError())
+
+    threading.Thread(target=watch, name="llava-vllm-core-watch", daemon=True).start()
 
 
 def engine_dead_error() -> type[BaseException]:
@@ -59,11 +88,12 @@ def engine_dead_error() -> type[BaseException]:
     return EngineDeadError
 
 
-def validation_error() -> type[BaseException]:
-    """Return vLLM's error for a request it refuses (too long for the model, bad ids)."""
-    from vllm.exceptions import VLLMValidationError
+def client_errors() -> tuple[type[BaseException], ...]:
+    """Return vLLM's errors for a request it refuses (too long for the model, bad ids): its
+    client errors, and the ValueErrors of older code paths."""
+    from vllm.exceptions import VLLMClientError
 
-    return VLLMValidationError
+    return (VLLMClientError, ValueError)
 
 
 # vLLM's metrics the kit republishes, and the names they take there (a gauge in percent).

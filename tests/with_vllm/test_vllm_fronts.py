@@ -1,0 +1,167 @@
+"""`engine: vllm` behind a real TorchServe: sessions over HTTP, the OpenAI endpoint with the
+official SDK, and a killed engine core (kill -9) that costs no finished turn.
+
+The worker runs vLLM as it runs in production: its engine core in a process of its own. Answers
+are compared with vLLM's own offline `generate` on the whole conversation (in this process).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM runs in its own environment: make test-vllm")
+
+import httpx  # noqa: E402
+import psutil  # noqa: E402
+from conftest import Oracle  # noqa: E402
+from helpers import ask, data_uri, open_session, post  # noqa: E402
+
+from llava.api.headers import SESSION_HEADER  # noqa: E402
+from llava.core.paths import CHECKOUT  # noqa: E402
+from llava.fronts.torchserve.launcher import TorchServe  # noqa: E402
+from llava.tools.archive import build_archive  # noqa: E402
+from llava.tools.tiny.scenes import draw_scene  # noqa: E402
+
+SHAPES = CHECKOUT / "models" / "shapes"
+TOKENS = 8
+QUESTIONS = ["What colour is the circle?", "And the other one?", "How many shapes are there?"]
+
+
+@pytest.fixture(scope="module")
+def oracle() -> Oracle:
+    return Oracle(SHAPES)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TorchServe]:
+    store = tmp_path_factory.mktemp("store")
+    build_archive(SHAPES, store, name="llava")
+    env = {
+        "LLAVA_ENGINE": "vllm",
+        "LLAVA_DTYPE": "float32",
+        "LLAVA_ENFORCE_EAGER": "true",
+        "LLAVA_MAX_CONTEXT_TOKENS": "1024",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1",  # the engine core in its own process
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+    }
+    with TorchServe(store, "llava", workdir=tmp_path_factory.mktemp("ts"), env=env) as ts:
+        yield ts
+
+
+def picture(seed: int) -> Any:
+    return draw_scene(random.Random(seed), count=2).draw()
+
+
+def expected(oracle: Oracle, history: list[tuple[str, str]], question: str, pic: Any) -> str:
+    """vLLM's offline answer to the whole conversation, as text."""
+    turns = [*history, (question, None)]
+    messages: list[dict[str, Any]] = []
+    for i, (q, a) in enumerate(turns):
+        content: list[dict[str, str]] = [{"type": "image"}] if i == 0 else []
+        messages.append({"role": "user", "content": [*content, {"type": "text", "text": q}]})
+        if a is not None:
+            messages.append({"role": "assistant", "content": [{"type": "text", "text": a}]})
+    ids = oracle.answer(messages, [pic], TOKENS)
+    return str(oracle.processor.tokenizer.decode(ids, skip_special_tokens=True))
+
+
+def test_sessions_over_http_answer_as_vllm_does(server: TorchServe, oracle: Oracle) -> None:
+    url = server.url("/predictions/llava")
+    pic = picture(11)
+    history: list[tuple[str, str]] = []
+    with httpx.Client(timeout=120) as client:
+        sid = open_session(client, url, data_uri(pic))
+        for question in QUESTIONS:
+            reply = ask(client, url, sid, question, max_new_tokens=TOKENS)
+            assert reply["text"] == expected(oracle, history, question, pic)
+            history.append((question, reply["text"]))
+        bad = post(client, url, {"type": "query", "prompt": "<image> hi"}, sid)
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_request"
+        assert post(client, url, {"type": "close_session"}, sid).status_code == 200
+
+
+def test_the_openai_sdk_streams_a_chat(server: TorchServe, oracle: Oracle) -> None:
+    from openai import OpenAI
+
+    pic = picture(12)
+    sdk = OpenAI(base_url=server.url("/predictions/llava/1.0/v1"), api_key="unused", timeout=120)
+    content = [
+        {"type": "image_url", "image_url": {"url": data_uri(pic)}},
+        {"type": "text", "text": QUESTIONS[0]},
+    ]
+    stream = sdk.chat.completions.create(
+        model="llava",
+        messages=[{"role": "user", "content": content}],  # type: ignore[misc]
+        max_tokens=TOKENS,
+        temperature=0,
+        stream=True,
+    )
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert text == expected(oracle, [], QUESTIONS[0], pic)
+
+
+def engine_core(server: TorchServe) -> psutil.Process:
+    """Find vLLM's engine core: a child of the TorchServe worker."""
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if "model_service_worker" in cmdline and str(server.worker_port) in cmdline:
+            children = proc.children(recursive=True)
+            cores = [c for c in children if "EngineCore" in c.name() or "spawn" in c.cmdline()[-1]]
+            assert cores, [c.cmdline() for c in children]
+            return cores[0]
+    raise AssertionError("no TorchServe worker found")
+
+
+def test_a_killed_engine_core_costs_no_finished_turn(server: TorchServe, oracle: Oracle) -> None:
+    url = server.url("/predictions/llava")
+    pic = picture(13)
+    with httpx.Client(timeout=120) as client:
+        sid = open_session(client, url, data_uri(pic))
+        first = ask(client, url, sid, QUESTIONS[0], max_new_tokens=TOKENS)["text"]
+        core = engine_core(server)
+        started, lines = threading.Event(), []
+
+        def stream() -> None:  # a long answer in flight when the core dies
+            body = {"type": "query", "prompt": "Tell me more.", "max_new_tokens": 900}
+            headers = {"Content-Type": "application/json", SESSION_HEADER: sid}
+            with client.stream("POST", url, json=body | {"stream": True}, headers=headers) as r:
+                for line in r.iter_lines():
+                    if line:
+                        lines.append(json.loads(line))
+                        started.set()
+            started.set()
+
+        streamer = threading.Thread(target=stream)
+        streamer.start()
+        assert started.wait(60)
+        os.kill(core.pid, signal.SIGKILL)
+        streamer.join(120)
+        assert lines and "error" in lines[-1], lines[-3:]
+        assert lines[-1]["error"]["code"] == "engine_restarting"
+        # Requests are refused with 503 and a Retry-After while the engine starts again.
+        deadline = time.monotonic() + 180
+        while True:
+            r = post(
+                client,
+                url,
+                {"type": "query", "prompt": QUESTIONS[1], "max_new_tokens": TOKENS},
+                sid,
+            )
+            if r.status_code != 503:
+                break
+            assert r.json()["error"]["code"] == "engine_restarting" and r.headers["Retry-After"]
+            assert time.monotonic() < deadline, "the engine did not come back"
+            time.sleep(float(r.headers["Retry-After"]) / 10)
+        assert r.status_code == 200, r.text
+        # The session carried on from its last finished turn: the cut answer left no trace.
+        assert r.json()["text"] == expected(oracle, [(QUESTIONS[0], first)], QUESTIONS[1], pic)
+        assert not core.is_running()
