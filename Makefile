@@ -9,6 +9,7 @@ BIN    := $(VENV)/bin
 MODEL  ?= shapes
 # FRONT=torchserve (the default) or ray (Ray Serve: REPLICAS replicas, default one per GPU).
 FRONT  ?= torchserve
+ENGINE ?= auto
 REPLICAS ?= 0
 NAME   ?= llava
 STORE  ?= model-store
@@ -31,7 +32,7 @@ export PATH := $(abspath $(BIN)):$(PATH)
 .PHONY: help venv venv-vllm dev archive serve stop chat test test-ray test-vllm test-gpu bench-gpu lint clean bench build-and-push deploy delete local-endpoint stress
 
 help:
-	@echo "make serve   serve MODEL=$(MODEL) on 127.0.0.1:8080 with TorchServe (FRONT=ray: Ray Serve, REPLICAS=N)"
+	@echo "make serve   serve MODEL=$(MODEL) on 127.0.0.1:8080 with TorchServe (FRONT=ray: Ray Serve, REPLICAS=N; ENGINE=vllm|transformers)"
 	@echo "make test    run the whole test suite"
 	@echo "make chat    the chat page on 127.0.0.1:7860, beside a running make serve"
 	@echo "make stress  soak ($(STRESS_CYCLES) open/ask/close cycles) and $(STRESS_SESSIONS) concurrent sessions; prints figures"
@@ -73,15 +74,18 @@ TS_ENV = TMPDIR=$(TS_HOME) LOG_LOCATION=$(TS_HOME)/logs METRICS_LOCATION=$(TS_HO
 	TS_GRPC_INFERENCE_PORT=$(call port_plus,3) TS_GRPC_MANAGEMENT_PORT=$(call port_plus,4) \
 	TS_INITIAL_WORKER_PORT=$(call port_plus,1000)
 
+# ENGINE=vllm serves from the vLLM environment (make venv-vllm); auto picks vLLM where installed.
+SERVE_BIN = $(if $(filter vllm,$(ENGINE)),$(VLLM_VENV)/bin,$(BIN))
+SERVE_DEPS = $(if $(filter vllm,$(ENGINE)),venv-vllm)
 ifeq ($(FRONT),ray)
-serve: venv
+serve: venv $(SERVE_DEPS)
 	@$(BIN)/python -m llava.tools.quickstart --name $(NAME) --port $(PORT)
-	$(BIN)/python -m llava serve-ray --model $(MODEL) --name $(NAME) --replicas $(REPLICAS) --port $(PORT)
+	LLAVA_ENGINE=$(ENGINE) $(SERVE_BIN)/python -m llava serve-ray --model $(MODEL) --name $(NAME) --replicas $(REPLICAS) --port $(PORT)
 else
-serve: archive
+serve: archive $(SERVE_DEPS)
 	@mkdir -p $(TS_HOME)
 	@$(BIN)/python -m llava.tools.quickstart --name $(NAME) --port $(PORT)
-	env $(TS_ENV) $(BIN)/torchserve --start --foreground --ncs --disable-token-auth \
+	env $(TS_ENV) LLAVA_ENGINE=$(ENGINE) $(SERVE_BIN)/torchserve --start --foreground --ncs --disable-token-auth \
 		--ts-config config.properties --model-store $(abspath $(STORE)) --models $(NAME)=$(abspath $(STORE))/$(NAME)
 endif
 

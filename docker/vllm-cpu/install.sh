@@ -28,12 +28,12 @@ test -x "$venv/bin/python" || "$python" -m venv "$venv"
 site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 cp "$here/llava_kit_no_torchvision.py" "$site/"
 echo "import llava_kit_no_torchvision" > "$site/llava_kit_no_torchvision.pth"
-# The kit itself with its fronts (TorchServe, the local runtime, boto3), vLLM's transformers
+# The kit itself with its fronts (TorchServe, Ray Serve, the local runtime, boto3), vLLM's transformers
 # release kept (not the kit's lock), and what its tests there use. The constraint keeps pip from
 # re-resolving torch or transformers, which would bring the CUDA packages back.
 constraints="$(mktemp)"
 "$venv/bin/python" -m pip freeze | grep -iE '^(torch|transformers|tokenizers)==' > "$constraints"
-"$venv/bin/python" -m pip install -q -c "$constraints" -e "$root[serve,aws]" \
+"$venv/bin/python" -m pip install -q -c "$constraints" -e "$root[serve,aws,ray]" \
     pyyaml httpx pytest safetensors accelerate "moto[s3]>=5" flask flask-cors "openai>=1.40"
 rm -f "$constraints"
 "$venv/bin/python" -c 'import vllm.model_executor.models.llava' # fails here, not in a test

@@ -165,3 +165,32 @@ def test_a_killed_engine_core_costs_no_finished_turn(server: TorchServe, oracle:
         # The session carried on from its last finished turn: the cut answer left no trace.
         assert r.json()["text"] == expected(oracle, [(QUESTIONS[0], first)], QUESTIONS[1], pic)
         assert not core.is_running()
+
+
+def test_boto3_through_the_local_runtime(server: TorchServe, oracle: Oracle, monkeypatch) -> None:
+    """An unmodified boto3 `sagemaker-runtime` client, sticky sessions, on the vLLM engine."""
+    import boto3
+
+    from llava.fronts.local_runtime.server import LocalRuntime
+
+    pic = picture(14)
+    with LocalRuntime([server.url()], name="llava") as runtime:
+        monkeypatch.setenv("AWS_ENDPOINT_URL_SAGEMAKER_RUNTIME", runtime.url)
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+        smr = boto3.client("sagemaker-runtime", region_name="us-east-1")
+
+        def invoke(body: dict[str, Any], session: str) -> Any:
+            return smr.invoke_endpoint(
+                EndpointName="llava",
+                Body=json.dumps(body),
+                ContentType="application/json",
+                SessionId=session,
+            )
+
+        opened = invoke({"type": "open_session", "image": data_uri(pic)}, "NEW_SESSION")
+        sid = opened["NewSessionId"].split(";")[0]
+        out = invoke({"type": "query", "prompt": QUESTIONS[0], "max_new_tokens": TOKENS}, sid)
+        assert json.loads(out["Body"].read())["text"] == expected(oracle, [], QUESTIONS[0], pic)
+        closed = invoke({"type": "close_session"}, sid)
+        assert closed["ClosedSessionId"] == sid

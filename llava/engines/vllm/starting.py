@@ -22,8 +22,11 @@ log = logging.getLogger(__name__)
 def engine_args(model_dir: Path, config: ServerConfig) -> Any:
     """Translate the kit's settings into vLLM's `EngineArgs`."""
     from vllm import EngineArgs
+    from vllm.platforms import current_platform
 
-    dtype = "auto" if config.dtype == "auto" else config.dtype
+    dtype = config.dtype
+    if dtype == "auto" and current_platform.is_cpu():  # the kit's auto: float32 on a CPU
+        dtype = "float32"
     return EngineArgs(
         model=str(model_dir),
         dtype=dtype,

@@ -72,9 +72,11 @@ def register_outputs(module: Any) -> None:
     from transformers import PreTrainedModel
     from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
 
+    by_class = type(_CAN_RECORD_REGISTRY) is dict  # transformers 5.19 (vLLM's) keys by class
     for part in module.modules():
         if isinstance(part, PreTrainedModel):
-            _CAN_RECORD_REGISTRY[part] = part._can_record_outputs
+            key = str(part.__class__) if by_class else part
+            _CAN_RECORD_REGISTRY[key] = part._can_record_outputs
 
 
 def unhooked(module: Any, skip: str = "") -> Any:
