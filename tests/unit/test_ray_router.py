@@ -166,3 +166,14 @@ def test_the_model_package_is_a_serve_config_ray_accepts(tmp_path: Any) -> None:
     assert (package / "code" / "requirements.txt").is_file()
     args = read_package(package / "config.yaml")
     assert args["model_dir"] == str(package / "weights") and args["replicas"] == 2
+
+
+@pytest.mark.parametrize(
+    ("gpus", "per_replica", "replicas"),
+    [(0, 1, 1), (1, 1, 1), (8, 1, 8), (8, 2, 4), (8, 4, 2), (2, 4, 1)],
+)
+def test_one_replica_per_model_copy(gpus: float, per_replica: int, replicas: int) -> None:
+    """With vLLM's tensor parallelism a replica's model spans `per_replica` GPUs."""
+    from llava.fronts.ray.app import default_replicas
+
+    assert default_replicas(gpus, per_replica) == replicas

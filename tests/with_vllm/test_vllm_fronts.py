@@ -194,3 +194,22 @@ def test_boto3_through_the_local_runtime(server: TorchServe, oracle: Oracle, mon
         assert json.loads(out["Body"].read())["text"] == expected(oracle, [], QUESTIONS[0], pic)
         closed = invoke({"type": "close_session"}, sid)
         assert closed["ClosedSessionId"] == sid
+
+
+def test_a_killed_worker_restores_its_sessions_from_snapshots(
+    server: TorchServe, oracle: Oracle
+) -> None:
+    """kill -9 of the TorchServe worker (and so its engine): TorchServe starts a new one, which
+    restores every session from its snapshot (conversation and pictures) onto a new engine."""
+    url = server.url("/predictions/llava")
+    pic = picture(15)
+    with httpx.Client(timeout=120) as client:
+        sid = open_session(client, url, data_uri(pic))
+        first = ask(client, url, sid, QUESTIONS[0], max_new_tokens=TOKENS)["text"]
+        before = server.worker()
+        os.kill(before["pid"], signal.SIGKILL)
+        server.wait_for_new_worker(before["pid"])
+        body = {"type": "query", "prompt": QUESTIONS[1], "max_new_tokens": TOKENS}
+        r = post(client, url, body, sid)
+        assert r.status_code == 200, r.text
+        assert r.json()["text"] == expected(oracle, [(QUESTIONS[0], first)], QUESTIONS[1], pic)

@@ -23,9 +23,10 @@ REPLICA_CPUS = 1.0
 RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0"}
 
 
-def default_replicas(gpus: float) -> int:
-    """One replica per GPU, or one on a machine without."""
-    return max(1, int(gpus))
+def default_replicas(gpus: float, per_replica: int = 1) -> int:
+    """One replica per model copy (`per_replica` GPUs each: vLLM's tensor parallel size), or
+    one on a machine without GPUs."""
+    return max(1, int(gpus // per_replica))
 
 
 def build(args: Mapping[str, Any]) -> Any:
@@ -40,8 +41,11 @@ def build(args: Mapping[str, Any]) -> Any:
     from llava.fronts.ray.replica import LlavaReplica
     from llava.fronts.ray.router import SessionAffinityRouter
 
-    gpus_per_replica = float(args.get("num_gpus", 1 if _cluster_gpus(ray) else 0))
-    replicas = int(args.get("replicas") or default_replicas(_cluster_gpus(ray)))
+    config = _config(args.get("settings"))
+    spans = config.tensor_parallel_size if config.engine != "transformers" else 1
+    gpus = _cluster_gpus(ray)
+    gpus_per_replica = float(args.get("num_gpus", spans if gpus else 0))
+    replicas = int(args.get("replicas") or default_replicas(gpus, spans))
     replica = serve.deployment(
         name="LlavaReplica",
         num_replicas=replicas,
@@ -50,7 +54,7 @@ def build(args: Mapping[str, Any]) -> Any:
         ray_actor_options={"num_gpus": gpus_per_replica, "num_cpus": REPLICA_CPUS},
         request_router_config={
             "request_router_class": SessionAffinityRouter,
-            "request_router_kwargs": {"resume_anywhere": _has_shared_store(args.get("settings"))},
+            "request_router_kwargs": {"resume_anywhere": bool(config.session_store)},
             "request_routing_stats_period_s": 1,
             "request_routing_stats_timeout_s": 5,
         },
@@ -67,11 +71,12 @@ def build(args: Mapping[str, Any]) -> Any:
     return ingress.bind(replica)
 
 
-def _has_shared_store(settings: Mapping[str, Any] | None) -> bool:
-    """Whether the replicas keep sessions in a shared store (settings, or the environment)."""
+def _config(settings: Mapping[str, Any] | None) -> Any:
+    """The replicas' settings (the package's, then the environment's): the shared store, and
+    the GPUs one replica's model spans."""
     from llava.core.config import ServerConfig
 
-    return bool(ServerConfig.from_mapping(settings or {}, os.environ).session_store)
+    return ServerConfig.from_mapping(settings or {}, os.environ)
 
 
 def _cluster_gpus(ray: Any) -> float:
