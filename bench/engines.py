@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -49,6 +50,7 @@ def checkpoint(model: str, workdir: Path) -> Path:
 
 def serve(engine: str, store: Path, workdir: Path) -> TorchServe:
     env = {
+        **{k: v for k, v in os.environ.items() if k.startswith("LLAVA_") and engine == "vllm"},
         "LLAVA_ENGINE": engine,
         "LLAVA_DTYPE": "float32",
         "LLAVA_MAX_SESSIONS": "64",

@@ -29,6 +29,7 @@ _ZERO_ALLOWED = {
     "image_processes",
     "whole_answer_s",
     "kv_cache_gb",
+    "kv_block_size",
 }
 CACHE_MODES = ("kv", "pixels")
 # "auto": vLLM's engine where vLLM is installed (the GPU images, `make venv-vllm`), else the
@@ -50,6 +51,9 @@ class ServerConfig:
     tensor_parallel_size: int = 1
     kv_cache_gb: float = 0.0
     enforce_eager: bool = False
+    # Tokens per block of vLLM's KV cache, the unit its prefix cache finds (0 = 32 on a CPU, where
+    # vLLM's own 128 re-prefills more of each follow-up; vLLM's 16 on a GPU).
+    kv_block_size: int = 0
     # Model placement
     device: str = "auto"  # "auto" (every visible GPU, else CPU), "cpu", "cuda", "cuda:1"
     dtype: str = "auto"  # auto: bfloat16 (or float16) on GPU, float32 on CPU

@@ -207,8 +207,12 @@ def test_a_killed_worker_restores_its_sessions_from_snapshots(
         sid = open_session(client, url, data_uri(pic))
         first = ask(client, url, sid, QUESTIONS[0], max_new_tokens=TOKENS)["text"]
         before = server.worker()
+        core = engine_core(server)
+        left = [core, *core.children(recursive=True)]  # vLLM's core and its workers
         os.kill(before["pid"], signal.SIGKILL)
         server.wait_for_new_worker(before["pid"])
+        _, alive = psutil.wait_procs(left, timeout=60)  # the kit's reaper kills them
+        assert alive == [], "the dead worker's vLLM processes were left running"
         body = {"type": "query", "prompt": QUESTIONS[1], "max_new_tokens": TOKENS}
         r = post(client, url, body, sid)
         assert r.status_code == 200, r.text

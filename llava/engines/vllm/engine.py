@@ -48,6 +48,7 @@ from llava.engines.vllm.starting import (
     client_errors,
     engine_dead_error,
     engine_metrics,
+    release_reaper,
     start_engine,
 )
 from llava.engines.vllm.state import VllmSession, VllmTurn
@@ -320,6 +321,7 @@ class VllmEngine:
             old.engine_core.shutdown()
         except Exception:  # it is dead already; whatever is left is freed with it
             log.debug("shutting the dead engine down failed", exc_info=True)
+        release_reaper(old)  # whatever of the old core still runs is killed
         while True:
             try:
                 self.requests.replace(self._start())

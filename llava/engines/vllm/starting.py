@@ -37,12 +37,23 @@ def engine_args(model_dir: Path, config: ServerConfig) -> Any:
         tensor_parallel_size=config.tensor_parallel_size,
         kv_cache_memory_bytes=int(config.kv_cache_gb * 2**30) or None,
         enable_prefix_caching=True,
+        block_size=block_size(config.kv_block_size, current_platform.is_cpu()),
         limit_mm_per_prompt={"image": config.max_images_per_session},
         # Sampling follows the request alone, as on the transformers engine: the checkpoint's
         # generation_config.json sets no defaults (its end-of-answer ids are passed per request).
         generation_config="vllm",
         disable_log_stats=False,
     )
+
+
+def block_size(configured: int, on_cpu: bool) -> int | None:
+    """The KV block size to ask vLLM for: as configured, else 32 on a CPU (vLLM's CPU default
+    of 128 leaves up to 127 tokens of a session's conversation to prefill again each turn; 32
+    is the least its CPU attention takes: follow-ups 1.5-1.9x faster on llava15 here,
+    bench/results/engines-llava15-block128.json against engines-llava15.json), else vLLM's."""
+    if configured:
+        return configured
+    return 32 if on_cpu else None
 
 
 def start_engine(model_dir: Path, config: ServerConfig) -> Any:
@@ -54,7 +65,45 @@ def start_engine(model_dir: Path, config: ServerConfig) -> Any:
     log.info("starting vLLM's engine on %s", model_dir)
     llm = LLMEngine.from_engine_args(engine_args(model_dir, config))
     watch_engine_core(llm)
+    llm.llava_reaper = start_reaper(llm)
     return llm
+
+
+def core_processes(llm: Any) -> list[Any]:
+    """Return the engine core processes of an engine (none when the core runs in-process)."""
+    manager = getattr(getattr(llm.engine_core, "resources", None), "engine_manager", None)
+    return list(getattr(manager, "processes", None) or [])
+
+
+def start_reaper(llm: Any) -> int | None:
+    """Start the process that kills this engine's core when the worker dies (`reaper.py`);
+    return the pipe end that keeps it waiting (closed: it reaps now), None when in-process."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    processes = core_processes(llm)
+    if not processes:
+        return None
+    targets = [f"{p.pid}:{psutil.Process(p.pid).create_time()}" for p in processes]
+    read, write = os.pipe()
+    subprocess.Popen(
+        [sys.executable, "-m", "llava.engines.vllm.reaper", str(read), *targets],
+        pass_fds=(read,),
+        start_new_session=True,  # not in the worker's process group: it outlives a group kill
+        stdin=subprocess.DEVNULL,
+    )
+    os.close(read)
+    return write
+
+
+def release_reaper(llm: Any) -> None:
+    """Let an engine's reaper kill what is left of its core (the engine is being replaced)."""
+    write = getattr(llm, "llava_reaper", None)
+    if write is not None:
+        os.close(write)
+        llm.llava_reaper = None
 
 
 def watch_engine_core(llm: Any) -> None:
@@ -70,10 +119,8 @@ def watch_engine_core(llm: Any) -> None:
 
     from vllm.v1.engine.exceptions import EngineDeadError
 
-    client = llm.engine_core
-    manager = getattr(getattr(client, "resources", None), "engine_manager", None)
-    processes = list(getattr(manager, "processes", None) or [])
-    outputs = getattr(client, "outputs_queue", None)
+    processes = core_processes(llm)
+    outputs = getattr(llm.engine_core, "outputs_queue", None)
     if not processes or outputs is None:
         return
 
