@@ -341,6 +341,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--think-s", type=float, default=2.0)
     parser.add_argument("--uplink-mbit", type=float, default=None, help="e.g. 50")
     parser.add_argument("--ray", action="store_true", help="also the kit behind Ray Serve")
+    parser.add_argument("--tag", default="", help="a suffix for the result file's name")
     parser.add_argument("--plot", type=Path, help="draw a saved result file and exit")
     args = parser.parse_args(argv)
     if args.plot:
@@ -380,7 +381,7 @@ def main(argv: list[str] | None = None) -> None:
         for label, by in figures.items()
     }
     print(tables(medians))
-    out = ROOT / "bench" / "results" / f"peer-{args.model}.json"
+    out = ROOT / "bench" / "results" / f"peer-{args.model}{'-' + args.tag if args.tag else ''}.json"
     out.write_text(
         json.dumps(
             {

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from typing import Any, Protocol
 
 from llava.core.params import GenerationParams
@@ -87,3 +88,20 @@ def show(answer: Answer, *, final: bool) -> bool:
     answer.delta += shown[len(answer.text) :]
     answer.text = shown
     return stopped
+
+
+def answer_usage(
+    prefill: int, cached: int, generated: int, times: tuple[float, float | None, float | None]
+) -> dict[str, Any]:
+    """Report an answer's token counts and timings, as either engine does: `times` are when it
+    started, produced its first token and finished (None: not yet, counted up to now)."""
+    started, first_token_at, finished_at = times
+    end = finished_at or time.perf_counter()
+    first = first_token_at or end
+    return {
+        "prefill_tokens": prefill,
+        "cached_tokens": cached,
+        "generated_tokens": generated,
+        "ttft_ms": round((first - started) * 1000, 3),
+        "total_ms": round((end - started) * 1000, 3),
+    }

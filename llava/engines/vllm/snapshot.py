@@ -17,6 +17,7 @@ from PIL import Image
 from safetensors.numpy import load as load_arrays
 from safetensors.numpy import save as save_arrays
 
+from llava.engines.checkpoint import snapshot_meta
 from llava.engines.conversation.chat import Exchange
 from llava.engines.vllm.images import VllmImage
 from llava.engines.vllm.state import VllmSession
@@ -46,16 +47,11 @@ def capture(state: VllmSession, fingerprint: str, extra: dict[str, Any]) -> Call
 def restore(data: bytes, fingerprint: str) -> tuple[VllmSession, dict[str, Any]]:
     """Rebuild a session's conversation (its prefix ids are the engine's to fill in) and the
     service's extra data; raise ValueError when the bytes are not a snapshot of this model."""
+    meta = snapshot_meta(data, FORMAT, fingerprint)
     try:
         arrays = load_arrays(data)
-        header_len = int.from_bytes(data[:8], "little")
-        meta = json.loads(json.loads(data[8 : 8 + header_len])["__metadata__"]["llava"])
     except Exception as exc:  # safetensors raises its own error types
         raise ValueError(f"not a session snapshot: {exc}") from exc
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"unknown snapshot format {meta.get('format')!r}")
-    if meta.get("model") != fingerprint:
-        raise ValueError("the snapshot was taken with a different model")
     images = []
     for i, uuid in enumerate(meta["uuids"]):
         pixels = arrays.get(f"image.{i}")

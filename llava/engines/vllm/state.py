@@ -16,7 +16,7 @@ from llava.core.params import GenerationParams
 from llava.core.tiers import Tier
 from llava.engines.conversation.chat import Exchange
 from llava.engines.conversation.incremental import Rendered
-from llava.engines.conversation.text import Detokenizer
+from llava.engines.conversation.text import Detokenizer, answer_usage
 from llava.engines.vllm.images import VllmImage
 
 
@@ -85,14 +85,10 @@ class VllmTurn:
 
     def usage(self) -> dict[str, Any]:
         """Report token counts, timings and the session's memory for this answer."""
-        end = self.finished_at or time.perf_counter()
-        first = self.first_token_at or end
+        prefill = max(self.prompt_tokens - self.cached_tokens, 0)
+        times = (self.started, self.first_token_at, self.finished_at)
         return {
-            "prefill_tokens": max(self.prompt_tokens - self.cached_tokens, 0),
-            "cached_tokens": self.cached_tokens,
-            "generated_tokens": len(self.generated),
-            "ttft_ms": round((first - self.started) * 1000, 3),
-            "total_ms": round((end - self.started) * 1000, 3),
+            **answer_usage(prefill, self.cached_tokens, len(self.generated), times),
             "finish_reason": self.finish_reason,
             "session_bytes": self.state.nbytes,
             "session_tier": self.found_in.value,

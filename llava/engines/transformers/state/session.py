@@ -14,7 +14,7 @@ from llava.core.params import GenerationParams
 from llava.core.tiers import Tier
 from llava.engines.conversation.chat import Exchange
 from llava.engines.conversation.incremental import Rendered
-from llava.engines.conversation.text import Detokenizer
+from llava.engines.conversation.text import Detokenizer, answer_usage
 from llava.engines.transformers.model.cache import cache_tensors
 from llava.engines.transformers.state.imageset import ImageSet
 
@@ -150,14 +150,9 @@ class Turn:
 
     def usage(self) -> dict[str, Any]:
         """Report token counts, timings and the session's memory for this answer."""
-        end = self.finished_at or time.perf_counter()
-        first = self.first_token_at or end
+        times = (self.started, self.first_token_at, self.finished_at)
         return {
-            "prefill_tokens": self.prefill_tokens,
-            "cached_tokens": self.cached_tokens,
-            "generated_tokens": len(self.generated),
-            "ttft_ms": round((first - self.started) * 1000, 3),
-            "total_ms": round((end - self.started) * 1000, 3),
+            **answer_usage(self.prefill_tokens, self.cached_tokens, len(self.generated), times),
             "finish_reason": self.finish_reason,
             "session_bytes": self.state.nbytes,
             "session_tier": self.found_in.value,

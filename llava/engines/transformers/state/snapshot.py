@@ -26,6 +26,7 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from llava.core.tiers import Tier
+from llava.engines.checkpoint import snapshot_meta
 from llava.engines.conversation.chat import Exchange
 from llava.engines.transformers.state.imageset import ImageSet
 from llava.engines.transformers.state.session import Replica, SessionState
@@ -68,17 +69,11 @@ def capture(state: SessionState, fingerprint: str, extra: dict[str, Any]) -> Cal
 def restore(data: bytes, fingerprint: str, replica: Replica) -> tuple[SessionState, dict[str, Any]]:
     """Rebuild a session's state (FEATURES tier) and the service's extra data from a snapshot;
     raise ValueError when the bytes are not a snapshot of this model."""
+    meta = snapshot_meta(data, FORMAT, fingerprint)
     try:
         tensors = load_tensors(data)
-        header_len = int.from_bytes(data[:8], "little")
-        header = json.loads(data[8 : 8 + header_len])
-        meta = json.loads(header["__metadata__"]["llava"])
     except Exception as exc:  # safetensors raises its own error types
         raise ValueError(f"not a session snapshot: {exc}") from exc
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"unknown snapshot format {meta.get('format')!r}")
-    if meta.get("model") != fingerprint:
-        raise ValueError("the snapshot was taken with a different model")
     sources = [Image.fromarray(tensors[f"source.{i}"].numpy()) for i in range(meta["sources"])]
     opening = None
     if meta["opening_tokens"] is not None:
