@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -72,6 +73,27 @@ class Conversation:
     sent: list[int] = field(default_factory=list)
     prefilled: list[int] = field(default_factory=list)
     tokens: int = 0
+
+
+def photo_uri(seed: int, px: int) -> str:
+    """A drawn scene as a phone would send a photo of it: `px` wide, with sensor noise, as a
+    JPEG (0: the small PNG drawing itself)."""
+    if not px:
+        return scene_uri(seed)
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from llava.tools.tiny.scenes import draw_scene
+
+    scene = draw_scene(random.Random(seed)).draw().convert("RGB").resize((px, px * 3 // 4))
+    noise = np.random.default_rng(seed).normal(0, 6, (px * 3 // 4, px, 3))
+    pixels = np.clip(np.asarray(scene, dtype=np.float32) + noise, 0, 255).astype(np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, "JPEG", quality=90)
+    return "data:image/jpeg;base64," + base64.b64encode(out.getvalue()).decode()
 
 
 class Link:
@@ -135,11 +157,11 @@ def collecting(events: Any, answer: list[str]) -> Any:
 
 
 def chat_conversation(
-    server: Server, seed: int, turns: int, tokens: int, think_s: float, link: Link
+    server: Server, seed: int, turns: int, tokens: int, think_s: float, link: Link, px: int
 ) -> Conversation:
     """A chat client: the whole chat, picture included, re-sent every turn; no header."""
     conv = Conversation()
-    image = scene_uri(seed)
+    image = photo_uri(seed, px)
     messages: list[dict[str, Any]] = []
     headers = {"Content-Type": "application/json"}
     with httpx.Client(timeout=600) as client:
@@ -171,7 +193,7 @@ def chat_conversation(
 
 
 def session_conversation(
-    server: Server, seed: int, turns: int, tokens: int, think_s: float, link: Link
+    server: Server, seed: int, turns: int, tokens: int, think_s: float, link: Link, px: int
 ) -> Conversation:
     """The kit's session API: the picture once, then each question alone."""
     assert server.session_url is not None
@@ -179,7 +201,9 @@ def session_conversation(
     url = server.session_url
     with httpx.Client(timeout=600) as client:
         started = time.perf_counter()
-        opening = link.send(json.dumps({"type": "open_session", "image": scene_uri(seed)}).encode())
+        opening = link.send(
+            json.dumps({"type": "open_session", "image": photo_uri(seed, px)}).encode()
+        )
         r = client.post(url, content=opening, headers={"Content-Type": "application/json"})
         r.raise_for_status()
         sid = r.json()["session_id"]
@@ -217,7 +241,9 @@ def run(
     with ThreadPoolExecutor(chats) as pool:
         convs = list(
             pool.map(
-                lambda i: talk(server, seed + i, args.turns, args.tokens, think_s, link),
+                lambda i: talk(
+                    server, seed + i, args.turns, args.tokens, think_s, link, args.photo_px
+                ),
                 range(chats),
             )
         )
@@ -339,6 +365,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--pressure", type=int, default=0, help="conversations past the KV cache")
     parser.add_argument("--think-s", type=float, default=2.0)
+    parser.add_argument("--photo-px", type=int, default=1024, help="0: the small PNG drawing")
     parser.add_argument("--uplink-mbit", type=float, default=None, help="e.g. 50")
     parser.add_argument("--ray", action="store_true", help="also the kit behind Ray Serve")
     parser.add_argument("--tag", default="", help="a suffix for the result file's name")
@@ -358,12 +385,15 @@ def main(argv: list[str] | None = None) -> None:
             run(servers[-1], "chat", 2, args, 0.0, 90_000)  # warm-up: compile, allocate
         figures: dict[str, dict[str, list[dict[str, float]]]] = {}
         for repeat in range(args.repeats):
-            for label, workload, chats, think_s in scenarios(args):
+            for index, (label, workload, chats, think_s) in enumerate(scenarios(args)):
+                # Pictures no server has seen (none may find one in a cache from an earlier
+                # run); each server gets the same ones.
+                seed = 100_000 * (repeat + 1) + 1_000 * index
                 order = servers if repeat % 2 == 0 else servers[::-1]  # interleaved
                 for server in order:
                     if workload == "session" and server.session_url is None:
                         continue
-                    got = run(server, workload, chats, args, think_s, 1000 * repeat)
+                    got = run(server, workload, chats, args, think_s, seed)
                     figures.setdefault(label, {}).setdefault(server.name, []).append(got)
                     print(
                         f"[{repeat + 1}/{args.repeats}] {label} {server.name}: "
