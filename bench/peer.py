@@ -204,7 +204,11 @@ def session_conversation(
         opening = link.send(
             json.dumps({"type": "open_session", "image": photo_uri(seed, px)}).encode()
         )
-        r = client.post(url, content=opening, headers={"Content-Type": "application/json"})
+        while True:  # past max_opening the kit answers 429: a client waits its Retry-After
+            r = client.post(url, content=opening, headers={"Content-Type": "application/json"})
+            if r.status_code != 429:
+                break
+            time.sleep(float(r.headers.get("Retry-After", "1")))
         r.raise_for_status()
         sid = r.json()["session_id"]
         headers = {"Content-Type": "application/json", SESSION_HEADER: sid}
@@ -395,6 +399,7 @@ def main(argv: list[str] | None = None) -> None:
                         continue
                     got = run(server, workload, chats, args, think_s, seed)
                     figures.setdefault(label, {}).setdefault(server.name, []).append(got)
+                    save(args, figures)  # a crash keeps what was measured
                     print(
                         f"[{repeat + 1}/{args.repeats}] {label} {server.name}: "
                         + ", ".join(f"{k}={v:.1f}" for k, v in got.items()),
@@ -403,6 +408,12 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         for server in servers:
             server.stop()
+    medians = save(args, figures)
+    print(tables(medians))
+
+
+def save(args: Any, figures: dict[str, dict[str, list[dict[str, float]]]]) -> dict[str, Any]:
+    """Write the runs so far and their medians; return the medians."""
     medians = {
         label: {
             name: {k: statistics.median(r[k] for r in runs) for k in runs[0]}
@@ -410,7 +421,6 @@ def main(argv: list[str] | None = None) -> None:
         }
         for label, by in figures.items()
     }
-    print(tables(medians))
     out = ROOT / "bench" / "results" / f"peer-{args.model}{'-' + args.tag if args.tag else ''}.json"
     out.write_text(
         json.dumps(
@@ -422,7 +432,8 @@ def main(argv: list[str] | None = None) -> None:
             indent=1,
         )
     )
-    print(f"saved {out}; plot it with: .venv/bin/python bench/peer.py --plot {out}")
+    print(f"saved {out}; plot it with: .venv/bin/python bench/peer.py --plot {out}", flush=True)
+    return medians
 
 
 def tables(medians: dict[str, dict[str, dict[str, float]]]) -> str:
