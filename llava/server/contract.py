@@ -58,8 +58,10 @@ class Engine(Protocol[StateT, TurnT]):
         computes nothing yet."""
         ...
 
-    def start_open(self, state: StateT) -> TurnT:
-        """Return the turn that encodes and prefills a new session (stepped like an answer)."""
+    def start_open(self, state: StateT, answer_follows: bool = False) -> TurnT:
+        """Return the turn that encodes and prefills a new session (stepped like an answer);
+        `answer_follows`: an answer is started on it as soon as it is open (a client's first
+        chat message), so an engine may leave the prefill to that answer."""
         ...
 
     def replay(self, state: StateT, history: list[tuple[str, str]]) -> None:

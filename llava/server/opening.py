@@ -65,7 +65,7 @@ class SessionOpener(Generic[StateT, TurnT]):
             state = self.engine.new_session(prepared, request.system_prompt)
             if isinstance(request, OpenSession) and request.history:
                 self.engine.replay(state, list(request.history))
-            turn = self.engine.start_open(state)
+            turn = self.engine.start_open(state, isinstance(request, ChatCompletion))
         except BaseException as exc:
             self._cancel(work.slot, state)
             return error_reply(as_kit_error(exc))

@@ -103,7 +103,7 @@ class FakeEngine:
     def new_session(self, image: Any, system_prompt: str | None = None) -> FakeState:
         return FakeState(image)
 
-    def start_open(self, state: Any) -> FakeTurn:
+    def start_open(self, state: Any, answer_follows: bool = False) -> FakeTurn:
         turn = FakeTurn([])
         turn.done = True  # nothing to compute
         return turn

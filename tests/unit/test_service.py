@@ -123,7 +123,7 @@ class FakeEngine:
         self.calls.append(("new_session", (image, system_prompt)))
         return FakeState(image, system_prompt)
 
-    def start_open(self, state: FakeState) -> FakeTurn:
+    def start_open(self, state: FakeState, answer_follows: bool = False) -> FakeTurn:
         """An open that takes `open_steps` steps (0: computed at once)."""
         turn = FakeTurn(state, "<open>", GenerationParams(), True, ["<open>"] * self.open_steps)
         turn.done = not self.open_steps

@@ -105,7 +105,7 @@ class LlavaEngine:
         return state
 
     @torch.inference_mode()
-    def start_open(self, state: SessionState) -> Turn:
+    def start_open(self, state: SessionState, answer_follows: bool = False) -> Turn:
         """Return the turn that encodes a new session's image and prefills its opening.
 
         Stepped like an answer (in tower runs and chunks), it generates nothing; `finish_turn`

@@ -113,13 +113,14 @@ class VllmEngine:
         images = () if image is None else (VllmImage.of(image),)
         return VllmSession(system_prompt, images, self._prefix(system_prompt, len(images)))
 
-    def start_open(self, state: VllmSession) -> VllmTurn:
+    def start_open(self, state: VllmSession, answer_follows: bool = False) -> VllmTurn:
         """Return the turn that prefills a new session's picture and opening (a one-token
-        request, so vLLM's caches hold them when the first question comes); a text-only
-        session has nothing worth prefilling."""
+        request, so vLLM's caches hold them when the first question comes). None is sent for a
+        text-only session, or when an answer follows at once: its own request prefills it all,
+        one vLLM request where the open would make two."""
         turn = self._turn(state, "", GenerationParams(max_new_tokens=1), state.prefix_ids)
         turn.opening = True
-        if state.images:
+        if state.images and not answer_follows:
             self._submit(turn)
         else:
             turn.done = True
