@@ -33,7 +33,7 @@ echo "import llava_kit_no_torchvision" > "$site/llava_kit_no_torchvision.pth"
 # re-resolving torch or transformers, which would bring the CUDA packages back.
 constraints="$(mktemp)"
 "$venv/bin/python" -m pip freeze | grep -iE '^(torch|transformers|tokenizers)==' > "$constraints"
-"$venv/bin/python" -m pip install -q -c "$constraints" -e "$root[serve,aws,ray]" \
+"$venv/bin/python" -m pip install -q -c "$constraints" -e "${root}[serve,aws,ray]" \
     pyyaml httpx pytest safetensors accelerate "moto[s3]>=5" flask flask-cors "openai>=1.40"
 rm -f "$constraints"
 "$venv/bin/python" -c 'import vllm.model_executor.models.llava' # fails here, not in a test
