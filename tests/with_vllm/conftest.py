@@ -85,3 +85,72 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Any:
         return cache[profile]
 
     return build
+
+
+# The kit on vLLM in tests' servers: eager, float32, a small KV cache.
+KIT_ENV = {
+    "LLAVA_ENGINE": "vllm",
+    "LLAVA_DTYPE": "float32",
+    "LLAVA_ENFORCE_EAGER": "true",
+    "LLAVA_MAX_CONTEXT_TOKENS": "1024",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+}
+
+
+def expected_text(
+    oracle: Oracle, history: list[tuple[str, str]], question: str, pic: Any, tokens: int
+) -> str:
+    """vLLM's offline answer, as text, to a conversation opened with `pic`."""
+    messages: list[dict[str, Any]] = []
+    for i, (q, a) in enumerate([*history, (question, None)]):
+        image: list[dict[str, str]] = [{"type": "image"}] if i == 0 else []
+        messages.append({"role": "user", "content": [*image, {"type": "text", "text": q}]})
+        if a is not None:
+            messages.append({"role": "assistant", "content": [{"type": "text", "text": a}]})
+    ids = oracle.answer(messages, [pic], tokens)
+    return str(oracle.processor.tokenizer.decode(ids, skip_special_tokens=True))
+
+
+def kill_under_stream(client: Any, url: str, sid: str, pid: int) -> list[dict[str, Any]]:
+    """Stream a long answer, kill `pid` (SIGKILL) once it has begun; return its JSON lines."""
+    import json
+    import signal
+    import threading
+
+    from llava.api.headers import SESSION_HEADER
+
+    started, lines = threading.Event(), []
+
+    def stream() -> None:
+        body = {"type": "query", "prompt": "Tell me more.", "max_new_tokens": 900, "stream": True}
+        headers = {"Content-Type": "application/json", SESSION_HEADER: sid}
+        with client.stream("POST", url, json=body, headers=headers) as r:
+            for line in r.iter_lines():
+                if line:
+                    lines.append(json.loads(line))
+                    started.set()
+        started.set()
+
+    streamer = threading.Thread(target=stream)
+    streamer.start()
+    assert started.wait(60)
+    os.kill(pid, signal.SIGKILL)
+    streamer.join(120)
+    return lines
+
+
+def until_engine_back(client: Any, url: str, sid: str, body: dict[str, Any]) -> Any:
+    """Post `body` until the engine is back: meanwhile every answer must be a 503
+    `engine_restarting` with a Retry-After; return the first other response."""
+    import time
+
+    from llava.api.headers import SESSION_HEADER
+
+    deadline = time.monotonic() + 180
+    while True:
+        r = client.post(url, json=body, headers={SESSION_HEADER: sid})
+        if r.status_code != 503:
+            return r
+        assert r.json()["error"]["code"] == "engine_restarting" and r.headers["Retry-After"]
+        assert time.monotonic() < deadline, "the engine did not come back"
+        time.sleep(float(r.headers["Retry-After"]) / 10)

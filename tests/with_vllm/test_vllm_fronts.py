@@ -11,8 +11,6 @@ import json
 import os
 import random
 import signal
-import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,10 +20,9 @@ pytest.importorskip("vllm", reason="vLLM runs in its own environment: make test-
 
 import httpx  # noqa: E402
 import psutil  # noqa: E402
-from conftest import Oracle  # noqa: E402
+from conftest import KIT_ENV, Oracle, expected_text, kill_under_stream, until_engine_back  # noqa: E402
 from helpers import ask, data_uri, open_session, post  # noqa: E402
 
-from llava.api.headers import SESSION_HEADER  # noqa: E402
 from llava.core.paths import CHECKOUT  # noqa: E402
 from llava.fronts.torchserve.launcher import TorchServe  # noqa: E402
 from llava.tools.archive import build_archive  # noqa: E402
@@ -45,14 +42,7 @@ def oracle() -> Oracle:
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TorchServe]:
     store = tmp_path_factory.mktemp("store")
     build_archive(SHAPES, store, name="llava")
-    env = {
-        "LLAVA_ENGINE": "vllm",
-        "LLAVA_DTYPE": "float32",
-        "LLAVA_ENFORCE_EAGER": "true",
-        "LLAVA_MAX_CONTEXT_TOKENS": "1024",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "1",  # the engine core in its own process
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-    }
+    env = {**KIT_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # the core in its own process
     with TorchServe(store, "llava", workdir=tmp_path_factory.mktemp("ts"), env=env) as ts:
         yield ts
 
@@ -62,16 +52,7 @@ def picture(seed: int) -> Any:
 
 
 def expected(oracle: Oracle, history: list[tuple[str, str]], question: str, pic: Any) -> str:
-    """vLLM's offline answer to the whole conversation, as text."""
-    turns = [*history, (question, None)]
-    messages: list[dict[str, Any]] = []
-    for i, (q, a) in enumerate(turns):
-        content: list[dict[str, str]] = [{"type": "image"}] if i == 0 else []
-        messages.append({"role": "user", "content": [*content, {"type": "text", "text": q}]})
-        if a is not None:
-            messages.append({"role": "assistant", "content": [{"type": "text", "text": a}]})
-    ids = oracle.answer(messages, [pic], TOKENS)
-    return str(oracle.processor.tokenizer.decode(ids, skip_special_tokens=True))
+    return expected_text(oracle, history, question, pic, TOKENS)
 
 
 def test_sessions_over_http_answer_as_vllm_does(server: TorchServe, oracle: Oracle) -> None:
@@ -128,39 +109,12 @@ def test_a_killed_engine_core_costs_no_finished_turn(server: TorchServe, oracle:
         sid = open_session(client, url, data_uri(pic))
         first = ask(client, url, sid, QUESTIONS[0], max_new_tokens=TOKENS)["text"]
         core = engine_core(server)
-        started, lines = threading.Event(), []
-
-        def stream() -> None:  # a long answer in flight when the core dies
-            body = {"type": "query", "prompt": "Tell me more.", "max_new_tokens": 900}
-            headers = {"Content-Type": "application/json", SESSION_HEADER: sid}
-            with client.stream("POST", url, json=body | {"stream": True}, headers=headers) as r:
-                for line in r.iter_lines():
-                    if line:
-                        lines.append(json.loads(line))
-                        started.set()
-            started.set()
-
-        streamer = threading.Thread(target=stream)
-        streamer.start()
-        assert started.wait(60)
-        os.kill(core.pid, signal.SIGKILL)
-        streamer.join(120)
+        lines = kill_under_stream(client, url, sid, core.pid)  # the core dies mid-answer
         assert lines and "error" in lines[-1], lines[-3:]
         assert lines[-1]["error"]["code"] == "engine_restarting"
         # Requests are refused with 503 and a Retry-After while the engine starts again.
-        deadline = time.monotonic() + 180
-        while True:
-            r = post(
-                client,
-                url,
-                {"type": "query", "prompt": QUESTIONS[1], "max_new_tokens": TOKENS},
-                sid,
-            )
-            if r.status_code != 503:
-                break
-            assert r.json()["error"]["code"] == "engine_restarting" and r.headers["Retry-After"]
-            assert time.monotonic() < deadline, "the engine did not come back"
-            time.sleep(float(r.headers["Retry-After"]) / 10)
+        body = {"type": "query", "prompt": QUESTIONS[1], "max_new_tokens": TOKENS}
+        r = until_engine_back(client, url, sid, body)
         assert r.status_code == 200, r.text
         # The session carried on from its last finished turn: the cut answer left no trace.
         assert r.json()["text"] == expected(oracle, [(QUESTIONS[0], first)], QUESTIONS[1], pic)
