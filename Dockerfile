@@ -55,24 +55,32 @@ RUN if [ -n "${MODEL_DIR}" ] && [ ! -f /opt/ml/model/MAR-INF/MANIFEST.json ]; th
  && rm -f /opt/ml/model/.llava-no-model
 
 # --- The kit ----------------------------------------------------------------------------------
-# Pin the base image's torch (and torchvision, triton, ... where it has them) to the versions it
-# already has (see docker/base_constraints.py for why), then install the kit, TorchServe 0.12.0
-# and torch-model-archiver (the `serve` extra) under those constraints and the image's lock. The
-# constraints file stays in the image: PIP_CONSTRAINT below makes every later pip run honour it
-# too - `serve`'s start-up install of /opt/ml/model/code/requirements.txt and images built FROM
-# this one.
+# ENGINE=vllm (the default): the kit on vLLM's engine, vLLM's GPU wheel of the release the CPU
+# tests run (docker/image.lock pins it with everything else). That wheel requires its own torch
+# (2.13.0, CUDA 13: deploy on SageMaker's al2023-ami-sagemaker-inference-gpu-4-1, driver 580,
+# which `make deploy` selects) and replaces the base's. ENGINE=transformers keeps the base's torch
+# and serves with the transformers engine (the reference).
+# docker/base_constraints.py pins what must stay the base's (the torch stack for transformers,
+# nothing for vLLM); the kit, TorchServe 0.12.0 and torch-model-archiver (the `serve` extra) go in
+# under those pins and the image's lock; then the same helper pins what is now installed. That
+# file stays in the image: PIP_CONSTRAINT below makes every later pip run honour it - `serve`'s
+# start-up install of /opt/ml/model/code/requirements.txt and images built FROM this one.
+ARG ENGINE=vllm
 COPY docker/base_constraints.py /opt/llava-sessions/base_constraints.py
 COPY docker/image.lock /opt/llava-sessions/image.lock
 # README.md is pyproject's readme (the wheel's long description); the trailing * lets the build go
 # on without it, as setuptools only warns when it is missing.
 COPY pyproject.toml README.md* /tmp/llava-sessions-src/
 COPY llava/ /tmp/llava-sessions-src/llava/
-RUN python /opt/llava-sessions/base_constraints.py > /opt/llava-sessions/constraints.txt \
- && cat /opt/llava-sessions/constraints.txt \
+RUN case "${ENGINE}" in vllm) extras=engine,aws,serve,vllm ;; transformers) extras=engine,aws,serve ;; \
+        *) echo "ENGINE=${ENGINE}: build with ENGINE=vllm or ENGINE=transformers" >&2; exit 1 ;; esac \
+ && python /opt/llava-sessions/base_constraints.py --engine "${ENGINE}" > /opt/llava-sessions/base.txt \
+ && cat /opt/llava-sessions/base.txt \
  && python -m pip install --no-cache-dir --root-user-action=ignore \
-        -c /opt/llava-sessions/constraints.txt -c /opt/llava-sessions/image.lock \
-        "/tmp/llava-sessions-src[engine,aws,serve]" \
- && rm -rf /tmp/llava-sessions-src
+        -c /opt/llava-sessions/base.txt -c /opt/llava-sessions/image.lock \
+        "/tmp/llava-sessions-src[${extras}]" \
+ && python /opt/llava-sessions/base_constraints.py > /opt/llava-sessions/constraints.txt \
+ && rm -rf /tmp/llava-sessions-src /opt/llava-sessions/base.txt
 
 # --- TorchServe and kit settings ----------------------------------------------------------------
 # docker/torchserve/sagemaker-ts.properties sets enable_envvars_config=true, so TorchServe reads

@@ -17,7 +17,11 @@ Environment:
   AWS_REGION      region to push to (and to pull the base image from); if unset AWS_DEFAULT_REGION,
                   then `aws configure get region`.
   BASE_IMAGE      optional: another base image, passed as a build arg (e.g. the DLC account of an
-                  opt-in or China region; see the Dockerfile).
+                  opt-in or China region, or AWS's Container-Caching-eligible PyTorch inference
+                  DLC for FRONT=torchserve; see docs/sagemaker.md, "The images' base").
+  ENGINE          vllm (default: vLLM's GPU wheel from docker/image.lock, which brings its own
+                  torch; deploy on the al2023-ami-sagemaker-inference-gpu-4-1 AMI, as
+                  `make deploy` does) or transformers (the base image's torch, the reference engine).
   FRONT           torchserve (default: the Dockerfile, TorchServe 0.12 and Java 17 added to AWS's
                   Ray Serve SageMaker container) or ray (docker/ray/Dockerfile, Ray Serve; default
                   repository llava-sessions-ray; its model data is `python -m llava package-ray`).
@@ -73,6 +77,11 @@ esac
 if [[ "$front" == ray && -n "${MODEL_DIR:-}" ]]; then
   die "MODEL_DIR is for FRONT=torchserve: the Ray image takes its weights as model data (python -m llava package-ray)"
 fi
+engine="${ENGINE:-vllm}"
+case "$engine" in
+  vllm | transformers) ;;
+  *) die "unknown ENGINE=$engine: use vllm (vLLM's GPU wheel) or transformers (the base image's torch)" ;;
+esac
 
 repository="${1:-$default_repository}"
 repository_re='^[a-z0-9]+([._-][a-z0-9]+)*(/[a-z0-9]+([._-][a-z0-9]+)*)*$'
@@ -188,7 +197,7 @@ fi
 ecr_login "$registry" "$region"
 
 # --- Build, tag, push --------------------------------------------------------------------------
-build_args=(--build-arg "REGION=$region")
+build_args=(--build-arg "REGION=$region" --build-arg "ENGINE=$engine")
 if [[ -n "${BASE_IMAGE:-}" ]]; then
   build_args+=(--build-arg "BASE_IMAGE=$BASE_IMAGE")
 fi

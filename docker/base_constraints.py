@@ -2,8 +2,13 @@
 
 Run inside the image at build time, before the kit is installed:
 
-    python docker/base_constraints.py > /opt/llava-sessions/constraints.txt
-    python -m pip install -c /opt/llava-sessions/constraints.txt ...
+    python docker/base_constraints.py [--front ray] [--engine vllm] > /opt/llava-sessions/base.txt
+    python -m pip install -c /opt/llava-sessions/base.txt ...
+
+and again after it (without --engine), so that every later pip run keeps what was installed.
+With `--engine vllm` the base's torch stack is not pinned: vLLM's wheel requires its own torch
+(2.13.0 for vLLM 0.32.0, with torchvision and torchaudio built for it) and replaces the base's;
+only the Ray front's Ray stays the base's.
 
 Why: the kit's `engine` extra says `torch>=2.4`, so a resolver that sees a newer torch on PyPI may
 "upgrade" the base's CUDA build (matched to the image's CUDA, NCCL and cuDNN) to a generic wheel
@@ -31,6 +36,8 @@ REQUIRED_RAY = ("torch", "ray", "transformers")
 # Pinned when the base image has them, so that no dependency drags in a build that does not match
 # its torch (torchvision/torchaudio/triton are built against one torch release).
 OPTIONAL = (
+    "vllm",  # once installed: later pip runs must not move vLLM or the torch it was built for
+    "flashinfer-python",
     "torchvision",
     "torchaudio",
     "torchtext",
@@ -60,8 +67,16 @@ def constraints(
 
 
 def main(argv: list[str]) -> int:
-    ray = argv[1:] == ["--front", "ray"]
-    lines, missing = constraints(required=REQUIRED_RAY if ray else REQUIRED)
+    args = argv[1:]
+    ray = args[:2] == ["--front", "ray"]
+    args = args[2:] if ray else args
+    if args not in ([], ["--engine", "vllm"], ["--engine", "transformers"]):
+        print("usage: base_constraints.py [--front ray] [--engine vllm]", file=sys.stderr)
+        return 2
+    if args == ["--engine", "vllm"]:  # vLLM brings its torch stack; Ray stays the base's
+        lines, missing = constraints(required=("ray",) if ray else (), optional=())
+    else:
+        lines, missing = constraints(required=REQUIRED_RAY if ray else REQUIRED)
     if missing:
         expected = (
             "AWS's Ray Serve SageMaker container, e.g. "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -1028,3 +1029,32 @@ def test_the_roles_access_to_the_session_store_is_checked_before_deploying() -> 
         RecordingIam(fail=RuntimeError("AccessDenied")), ROLE, "s3://bucket/p", progress=said.append
     )
     assert said[0].startswith("warning: could not check") and "s3:PutObject" in said[0]
+
+
+def test_gpu_instances_get_the_ami_whose_driver_runs_the_images_vllm() -> None:
+    """vLLM's wheel (torch 2.13, CUDA 13) needs driver 580: the AMI is one SageMaker lists, with
+    that driver, set on GPU instance types only and validated as botocore validates the call."""
+    model = botocore_model()
+    amis = model.shape_for("ProductionVariantInferenceAmiVersion").enum
+    assert dp.spec.GPU_AMI in amis
+    doc = model.shape_for("ProductionVariant").members["InferenceAmiVersion"].documentation
+    assert re.search(rf"{dp.spec.GPU_AMI}.*?NVIDIA driver version: 580", doc, re.S)
+    gpu = _spec(instance_type="ml.g5.2xlarge")
+    variant = gpu.create_endpoint_config_params("c", "m")["ProductionVariants"][0]
+    assert variant["InferenceAmiVersion"] == dp.spec.GPU_AMI
+    sm, stub = _stubbed()
+    _expect_creates(stub, gpu, "c")
+    with stub:  # the Stubber checks the parameters against SageMaker's API model
+        sm.create_model(**gpu.create_model_params("c"))
+        sm.create_endpoint_config(**gpu.create_endpoint_config_params("c", "c"))
+    for spec in (_spec(), _spec(instance_type="ml.g6.xlarge", inference_ami=None)):
+        variant = spec.create_endpoint_config_params("c", "m")["ProductionVariants"][0]
+        assert "InferenceAmiVersion" not in variant  # a CPU type, or SageMaker's own choice
+    with pytest.raises(ValueError, match="SageMaker GPU inference AMI"):
+        _spec(inference_ami="ubuntu-22.04")
+
+
+def botocore_model() -> Any:
+    import botocore.session
+
+    return botocore.session.get_session().get_service_model("sagemaker")

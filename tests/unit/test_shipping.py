@@ -193,35 +193,103 @@ def test_sagemaker_properties_expose_only_inference_and_let_the_environment_over
     assert props["install_py_dep_per_model"] == "false"
 
 
-def _pip_runs() -> list[str]:
-    return [rest for keyword, rest in _instructions() if keyword == "RUN" and "pip install" in rest]
-
-
-def test_kit_install_is_constrained_to_the_image_torch_and_torchserve() -> None:
-    runs = _pip_runs()
+def _install_run(path: Path) -> str:
+    runs = [
+        rest for keyword, rest in _instructions(path) if keyword == "RUN" and "pip install" in rest
+    ]
     assert len(runs) == 1, runs
-    run = runs[0]
-    words = shlex.split(run)
-    # The constraints file is written by the helper, from what the base image has installed...
-    produced = re.search(r"python (\S+/base_constraints\.py) > (\S+)", run)
-    assert produced, run
-    helper, constraints = produced.groups()
-    copies = [rest.split() for keyword, rest in _instructions() if keyword == "COPY"]
-    assert ["docker/base_constraints.py", helper] in copies
-    # ... and applied to the very pip install that installs the kit.
-    install = words.index("install")
-    pip_words = words[install:]
-    pip_words = pip_words[: pip_words.index("&&")] if "&&" in pip_words else pip_words
-    given = [pip_words[i + 1] for i, word in enumerate(pip_words) if word == "-c"]
-    assert constraints in given
-    # ... and under the image's lock (tests/unit/test_lock.py: the versions the tests run)
+    return runs[0]
+
+
+def _build_install(path: Path, engine: str, tmp_path: Path) -> tuple[int, list[list[str]], str]:
+    """Run the image's install step as `docker build` would (bash, pipefail, ENGINE set), with a
+    `python` that records its arguments: return the exit status, the calls and stderr."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    log = tmp_path / "calls.jsonl"
+    log.unlink(missing_ok=True)
+    fake = bin_dir / "python"
+    fake.write_text(
+        f"#!{sys.executable}\nimport json, sys\n"
+        f"open({str(log)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n"
+    )
+    fake.chmod(0o755)
+    # Paths in the image (/opt/llava-sessions, /tmp/llava-sessions-src) move under tmp_path.
+    run = _install_run(path).replace("/opt/llava-sessions", str(tmp_path / "opt"))
+    run = run.replace("/tmp/llava-sessions-src", str(tmp_path / "src"))
+    (tmp_path / "opt").mkdir(exist_ok=True)
+    (tmp_path / "src").mkdir(exist_ok=True)
+    done = subprocess.run(
+        ["bash", "-o", "pipefail", "-c", run],
+        env={"PATH": f"{bin_dir}:/usr/bin:/bin", "ENGINE": engine},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    calls = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    calls = [[w.replace(str(tmp_path / "opt"), "/opt/llava-sessions") for w in c] for c in calls]
+    return done.returncode, calls, done.stderr
+
+
+def _pip_words(call: list[str]) -> tuple[list[str], str]:
+    """Return the constraint files of a `python -m pip install` call and what it installs."""
+    assert call[:3] == ["-m", "pip", "install"], call
+    given = [call[i + 1] for i, word in enumerate(call) if word == "-c"]
+    return given, call[-1]
+
+
+@pytest.mark.parametrize(
+    ("path", "front"),
+    [(DOCKERFILE, ""), (RAY_DOCKERFILE, "--front ray")],
+    ids=["torchserve", "ray"],
+)
+def test_images_install_vllm_s_gpu_wheel_by_default_under_the_lock(path, front, tmp_path) -> None:
+    """ENGINE=vllm (the default): nothing of the base's torch stack is pinned before the install
+    (vLLM's wheel brings its own torch), the kit goes in with the `vllm` extra under the lock,
+    and what is then installed is pinned for every later pip run."""
+    assert ("ARG", "ENGINE=vllm") in _instructions(path)
+    status, calls, stderr = _build_install(path, "vllm", tmp_path)
+    assert status == 0, stderr
+    before, install, after = calls
+    assert before == [
+        *(["/opt/llava-sessions/base_constraints.py"]),
+        *front.split(),
+        "--engine",
+        "vllm",
+    ]
+    given, target = _pip_words(install)
+    assert given == ["/opt/llava-sessions/base.txt", "/opt/llava-sessions/image.lock"]
+    assert target.endswith("[engine,aws,serve,vllm]" if not front else "[engine,ray,aws,vllm]")
+    assert after == ["/opt/llava-sessions/base_constraints.py", *front.split()]
+    assert _env(path)["PIP_CONSTRAINT"] == "/opt/llava-sessions/constraints.txt"
+    copies = [rest.split() for keyword, rest in _instructions(path) if keyword == "COPY"]
+    assert ["docker/base_constraints.py", "/opt/llava-sessions/base_constraints.py"] in copies
     assert ["docker/image.lock", "/opt/llava-sessions/image.lock"] in copies
-    assert "/opt/llava-sessions/image.lock" in given
-    assert "--no-cache-dir" in pip_words
-    assert any(word.endswith("[engine,aws,serve]") for word in pip_words), pip_words
-    assert run.index("base_constraints.py") < run.index("pip install")
-    env = _env()
-    assert env["PIP_CONSTRAINT"] == constraints  # later pip runs keep the pins too
+    assert "--no-cache-dir" in install
+
+
+@pytest.mark.parametrize(
+    ("path", "extras", "lock"),
+    [
+        (DOCKERFILE, "[engine,aws,serve]", "/opt/llava-sessions/image.lock"),
+        (RAY_DOCKERFILE, "[engine,ray,aws]", "/dev/null"),  # AWS's tested transformers wins
+    ],
+    ids=["torchserve", "ray"],
+)
+def test_engine_transformers_keeps_the_base_s_torch(path, extras, lock, tmp_path) -> None:
+    status, calls, stderr = _build_install(path, "transformers", tmp_path)
+    assert status == 0, stderr
+    before, install, _ = calls
+    assert before[-2:] == ["--engine", "transformers"]  # the base's torch stack pinned
+    given, target = _pip_words(install)
+    assert given == ["/opt/llava-sessions/base.txt", lock] and target.endswith(extras)
+
+
+@pytest.mark.parametrize("path", [DOCKERFILE, RAY_DOCKERFILE], ids=["torchserve", "ray"])
+def test_an_unknown_engine_fails_the_build_saying_what_to_pass(path, tmp_path) -> None:
+    status, calls, stderr = _build_install(path, "tgi", tmp_path)
+    assert status != 0 and calls == []
+    assert "ENGINE=vllm or ENGINE=transformers" in stderr
 
 
 def _load_helper():
@@ -232,6 +300,29 @@ def _load_helper():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def test_before_vllm_the_helper_pins_only_the_ray_front_s_ray() -> None:
+    helper = _load_helper()
+    installed = {"torch": "2.9.0+cu129", "ray": "2.55.1", "transformers": "5.8.0", "triton": "3.5"}
+    lookup = installed.__getitem__
+    env = subprocess.run(
+        [sys.executable, str(REPO / "docker/base_constraints.py"), "--engine", "vllm"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert env.stdout.strip() == ""  # nothing of this interpreter's torch stack
+    lines, missing = helper.constraints(lookup, required=("ray",), optional=())
+    assert lines == ["ray==2.55.1"] and missing == []
+    wrong = subprocess.run(
+        [sys.executable, str(REPO / "docker/base_constraints.py"), "--engine", "tgi"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert wrong.returncode == 2 and "usage" in wrong.stderr
+    assert "vllm" in helper.OPTIONAL  # after the install: later pip runs keep vLLM
 
 
 def test_constraints_helper_pins_what_is_installed() -> None:
@@ -264,9 +355,9 @@ def test_constraints_helper_fails_when_the_base_lacks_torch() -> None:
     assert missing == ["torch"]
 
 
-def _env() -> dict[str, str]:
+def _env(path: Path = DOCKERFILE) -> dict[str, str]:
     env: dict[str, str] = {}
-    for keyword, rest in _instructions():
+    for keyword, rest in _instructions(path):
         if keyword == "ENV":
             env.update(_key_values(rest))
     return env
@@ -559,6 +650,7 @@ def _expected(
     base_login: tuple[str, str] | None = None,
     extra_build_args: tuple[str, ...] = (),
     dockerfile: str = "Dockerfile",
+    engine: str = "vllm",
 ) -> list[list[str]]:
     registry = f"{ACCOUNT}.dkr.ecr.{region}.amazonaws.com"
     uri = f"{registry}/{repository}:{tag}"
@@ -581,7 +673,8 @@ def _expected(
             ["aws", "ecr", "get-login-password", "--region", host_region],
             ["docker", "login", "--username", "AWS", "--password-stdin", host],
         ]
-    build_args = ["--build-arg", f"REGION={region}", *extra_build_args]
+    build_args = ["--build-arg", f"REGION={region}", "--build-arg", f"ENGINE={engine}"]
+    build_args += extra_build_args
     build_args += ["--build-arg", f"VCS_REF={revision}"]
     calls += [
         ["docker", "buildx", "build", "--platform", "linux/amd64", "--provenance=false"]
@@ -757,6 +850,11 @@ def test_help_documents_defaults_and_makes_no_calls(sandbox) -> None:
 # --- The Ray Serve image ------------------------------------------------------------------------
 
 
+def test_engine_transformers_is_passed_to_the_build(sandbox) -> None:
+    run = sandbox.run(AWS_REGION="us-west-2", ENGINE="transformers")
+    _assert_pushed(run, _expected("us-west-2", engine="transformers"), sandbox.dir)
+
+
 def test_front_ray_builds_the_ray_image_into_its_own_repository(sandbox) -> None:
     run = sandbox.run(AWS_REGION="us-west-2", FRONT="ray")
     expected = _expected("us-west-2", "llava-sessions-ray", dockerfile="docker/ray/Dockerfile")
@@ -768,6 +866,7 @@ def test_front_ray_builds_the_ray_image_into_its_own_repository(sandbox) -> None
     [
         ({"FRONT": "tgi"}, "unknown FRONT=tgi"),
         ({"FRONT": "ray", "MODEL_DIR": "model-store/llava"}, "MODEL_DIR is for FRONT=torchserve"),
+        ({"ENGINE": "tgi"}, "unknown ENGINE=tgi"),
     ],
 )
 def test_front_mistakes_fail_before_any_aws_or_docker_work(sandbox, env, message) -> None:
@@ -781,7 +880,7 @@ def test_ray_image_runs_the_kit_s_ray_entrypoint() -> None:
     assert ("ENTRYPOINT", '["/usr/local/bin/serve"]') in instructions
     assert ("COPY", "docker/ray/serve /usr/local/bin/serve") in instructions
     run = " ".join(v for k, v in instructions if k == "RUN")
-    assert "base_constraints.py --front ray" in run and "[engine,ray,aws]" in run
+    assert "base_constraints.py --front ray" in run and "[${extras}]" in run
 
 
 def test_ray_constraints_require_the_base_s_ray_torch_and_transformers() -> None:

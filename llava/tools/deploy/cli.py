@@ -12,7 +12,7 @@ from llava.tools.deploy.discover import discover_bucket, discover_role
 from llava.tools.deploy.endpoint import Deployment, deploy
 from llava.tools.deploy.errors import DeployError, EndpointExistsError
 from llava.tools.deploy.names import validate_name
-from llava.tools.deploy.spec import DeploySpec
+from llava.tools.deploy.spec import GPU_AMI, DeploySpec
 from llava.tools.deploy.store_access import check_store_access
 from llava.tools.deploy.teardown import DeleteReport, delete
 from llava.tools.deploy.upload import upload_archive
@@ -57,6 +57,12 @@ def add_deploy_arguments(parser: Any) -> None:
         help="the image's front (FRONT= of build_and_push.sh): what model data to build",
     )
     parser.add_argument("--instance-type", default="ml.g5.2xlarge")
+    parser.add_argument(
+        "--inference-ami",
+        default=GPU_AMI,
+        help=f"the GPU hosts' AMI (default {GPU_AMI}: NVIDIA driver 580, which the images' vLLM "
+        "needs); 'default' leaves SageMaker's choice",
+    )
     parser.add_argument("--instance-count", type=int, default=1)
     parser.add_argument("--ttl", type=float, default=1200, help="session idle TTL in seconds")
     parser.add_argument(
@@ -156,6 +162,7 @@ def run_deploy(args: Any) -> Deployment:
             accelerators=args.accelerators,
             memory_mb=args.memory_mb,
             copy_count=args.copy_count,
+            inference_ami=None if args.inference_ami == "default" else args.inference_ami,
         )
         if args.session_store:
             iam = boto3.client("iam", region_name=region)

@@ -19,6 +19,11 @@ SAGEMAKER_BODY_LIMIT = 6 * 1024 * 1024
 # keeps a deployment correct on an image built without it. model-config.yaml's per-model
 # responseTimeout still wins over both.
 TS_RESPONSE_TIMEOUT_S = 300
+# The images' vLLM wheel runs torch 2.13 built for CUDA 13, which needs NVIDIA driver 580: of
+# SageMaker's inference AMIs (ProductionVariant.InferenceAmiVersion) only this one has it; the
+# others carry drivers 535 and 550 (CUDA 12.2, 12.4). It applies to GPU instance types only.
+GPU_AMI = "al2023-ami-sagemaker-inference-gpu-4-1"
+GPU_INSTANCE_RE = re.compile(r"^ml\.(g|p)\d")
 
 
 def _known_llava_env() -> dict[str, str]:
@@ -81,6 +86,7 @@ class DeploySpec:
     memory_mb: int = 16384
     cpu_cores: float | None = None
     copy_count: int = 1
+    inference_ami: str | None = GPU_AMI
 
     def __post_init__(self) -> None:
         validate_name(self.name)
@@ -101,6 +107,13 @@ class DeploySpec:
             object.__setattr__(self, "model_data_s3", f"s3://{bucket}/{prefix}")
         if not re.fullmatch(r"ml\.[a-z0-9-]+\.[a-z0-9]+", self.instance_type):
             raise ValueError(f"instance_type {self.instance_type!r}: expected e.g. ml.g5.2xlarge")
+        if self.inference_ami is not None and not re.fullmatch(
+            r"al2(023)?-ami-sagemaker-inference-gpu-[0-9-]+", self.inference_ami
+        ):
+            raise ValueError(
+                f"inference_ami {self.inference_ami!r}: expected a SageMaker GPU inference AMI "
+                f"such as {GPU_AMI} (see ProductionVariant.InferenceAmiVersion)"
+            )
         for attr in ("instance_count", "copy_count", "accelerators", "memory_mb"):
             value = getattr(self, attr)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -182,6 +195,8 @@ class DeploySpec:
                 self.container_startup_health_check_timeout_s
             ),
         }
+        if self.inference_ami and GPU_INSTANCE_RE.match(self.instance_type):
+            variant["InferenceAmiVersion"] = self.inference_ami
         params: dict[str, Any] = {"EndpointConfigName": config_name}
         if self.inference_component:
             # An endpoint without a model: the inference component brings it. New sessions go to
