@@ -21,11 +21,19 @@ FROM ${BASE_IMAGE}
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
 # --- Java for TorchServe's frontend -------------------------------------------------------------
-# TorchServe 0.12.0's frontend is Java (17, the release it is built and tested with). The base is
-# Amazon Linux 2023, whose own Corretto build gets the distribution's security updates.
-RUN dnf install -y java-17-amazon-corretto-headless \
- && dnf clean all \
- && rm -rf /var/cache/dnf \
+# TorchServe 0.12.0's frontend is Java (17, the release it is built and tested with). The Ray
+# container is Amazon Linux 2023, whose own Corretto build gets the distribution's security
+# updates (dnf); BASE_IMAGE=<the PyTorch inference DLC> is Ubuntu and already has a Java 17 for
+# its TorchServe (else apt's OpenJDK 17 goes in, unpinned: the distribution's patches are the
+# point, as with dnf).
+# hadolint ignore=DL3008
+RUN if java -version 2>&1 | grep -q 'version "17'; then echo "Java 17: the base's"; \
+    elif command -v dnf >/dev/null; then \
+        dnf install -y java-17-amazon-corretto-headless && dnf clean all && rm -rf /var/cache/dnf; \
+    else \
+        apt-get update && apt-get install -y --no-install-recommends openjdk-17-jre-headless \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi \
  && java -version
 
 # --- Optional: bake the model into the image --------------------------------------------------

