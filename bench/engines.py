@@ -11,6 +11,9 @@ chats at once; then the vLLM / transformers ratios. Prints a table and writes
 bench/results/engines-<model>.json.
 
     .venv-vllm/bin/python bench/engines.py --model llava15
+
+On a GPU (`make bench-gpu`): `--model llava15-7b`, in bf16, built on the card; the vLLM engine
+starts first and takes half the card's memory, the transformers engine what is left.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.drivers import SCENE_PROMPTS, scene_uri  # noqa: E402
+from bench.peer import checkpoint_of, on_gpu  # noqa: E402
 from llava.api.headers import SESSION_HEADER  # noqa: E402
 from llava.fronts.torchserve.launcher import TorchServe  # noqa: E402
 from llava.tools.archive import build_archive  # noqa: E402
@@ -40,22 +44,22 @@ ENGINES = ("vllm", "transformers")
 CONCURRENCY = (1, 4, 8, 16)
 
 
-def checkpoint(model: str, workdir: Path) -> Path:
-    if model == "shapes":
-        return ROOT / "models" / "shapes"
-    from llava.tools.tiny import build_checkpoint
-
-    return build_checkpoint(workdir / model, model)
-
-
-def serve(engine: str, store: Path, workdir: Path) -> TorchServe:
+def engine_env(engine: str, gpu: bool) -> dict[str, str]:
+    """Each engine's server settings: the same dtype; on a GPU vLLM takes half the card."""
     env = {
         **{k: v for k, v in os.environ.items() if k.startswith("LLAVA_") and engine == "vllm"},
         "LLAVA_ENGINE": engine,
-        "LLAVA_DTYPE": "float32",
+        "LLAVA_DTYPE": "bfloat16" if gpu else "float32",
         "LLAVA_MAX_SESSIONS": "64",
         "VLLM_CPU_KVCACHE_SPACE": "2",
     }
+    if gpu and engine == "vllm":
+        env["LLAVA_GPU_MEMORY_UTILIZATION"] = "0.45"
+    return env
+
+
+def serve(engine: str, store: Path, workdir: Path, gpu: bool) -> TorchServe:
+    env = engine_env(engine, gpu)
     return TorchServe(store, "llava", workdir=workdir / engine, env=env).start(timeout_s=600)
 
 
@@ -125,12 +129,13 @@ def main(argv: list[str] | None = None) -> None:
     levels = [int(c) for c in args.concurrency.split(",")]
     work = Path(tempfile.mkdtemp(prefix="bench-engines-"))
     store = work / "store"
-    build_archive(checkpoint(args.model, work), store, name="llava")
+    gpu = on_gpu()
+    build_archive(checkpoint_of(args.model, work, gpu), store, name="llava")
     servers = {}
     try:
         for engine in ENGINES:
             print(f"starting TorchServe with engine: {engine} ...", flush=True)
-            servers[engine] = serve(engine, store, work)
+            servers[engine] = serve(engine, store, work, gpu)
             warm_up(servers[engine].url("/predictions/llava"), args.tokens)
         runs: dict[str, dict[int, list[dict[str, Any]]]] = {
             e: {c: [] for c in levels} for e in ENGINES

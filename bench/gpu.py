@@ -15,11 +15,17 @@ Builds a random-weight checkpoint with llava-1.5-7b's real shapes directly on th
   100-turn curve beside the model's own forward (bench/chats.py);
 - GPU bytes per session, just opened and after 4 turns (the sessions' own `usage`).
 Results: bench/results/gpu/ (JSON, PNG, and summary.md: the table for docs/performance.md).
+
+Where vLLM's GPU wheel is installed (the images; `pip install -e .[vllm]`), then on the same
+checkpoint shape: the two engines side by side (bench/engines.py) and the kit on vLLM against
+bare `vllm serve` (bench/peer.py, with a KV budget that memory pressure overflows); their
+results land in bench/results/engines-llava15-7b.json and peer-llava15-7b.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import tempfile
@@ -33,12 +39,15 @@ sys.path.insert(0, str(HERE))
 
 import capacity  # noqa: E402
 import chats  # noqa: E402
+import engines  # noqa: E402
 import load  # noqa: E402
+import peer  # noqa: E402
 import run  # noqa: E402
 
 from llava.api.headers import SESSION_HEADER  # noqa: E402
 
 PROFILE, LOGIC_PROFILE = "llava15-7b", "tiny"
+VLLM_LOGIC_PROFILE = "tiny-vllm"  # vLLM's CPU attention takes heads 32 wide and up
 
 
 def device_name(logic: bool) -> str:
@@ -140,6 +149,24 @@ def plan(
     ]
 
 
+def vllm_plan(logic: bool, repeats: int) -> list[tuple[Callable[[list[str]], None], list[str]]]:
+    """The vLLM engine beside the transformers engine, and the kit against bare vLLM."""
+    profile = VLLM_LOGIC_PROFILE if logic else PROFILE
+    levels = "1,4" if logic else "1,4,8,16"
+    # llava15-7b in bf16: ~0.5 MB of KV per token, ~700 tokens a conversation: 4 GiB holds ~11
+    # of them, and 24 with think time between turns overflow it.
+    kv, pressure = ("0.05", "6") if logic else ("4", "24")
+    turns = ["--turns", "2" if logic else "4", "--repeats", "1" if logic else str(repeats)]
+    return [
+        (engines.main, ["--model", profile, *turns, "--concurrency", levels]),
+        (
+            peer.main,
+            ["--model", profile, *turns, "--concurrency", levels, "--kv-gb", kv]
+            + ["--pressure", pressure, "--think-s", "2"],
+        ),
+    ]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -168,6 +195,15 @@ def main(argv: list[str] | None = None) -> None:
     (out / "summary.md").write_text(text)
     print(text)
     print(f"wrote {out}/", file=sys.stderr)
+    if importlib.util.find_spec("vllm") is None:
+        print(
+            "vLLM is not installed here: the engine and peer comparisons skip (on a GPU, "
+            "pip install -e '.[vllm]' or run in the image)",
+            file=sys.stderr,
+        )
+        return
+    for bench, argv in vllm_plan(args.logic, args.repeats):
+        bench(argv)
 
 
 if __name__ == "__main__":

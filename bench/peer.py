@@ -25,6 +25,10 @@ cache) per follow-up. Prints tables, writes bench/results/peer-<model>.json; `--
 draws it (with the kit's own environment, which has matplotlib).
 
     unshare -n sh -c 'ip link set lo up && .venv-vllm/bin/python bench/peer.py --ray'
+
+On a GPU (`make bench-gpu`, where vLLM's GPU wheel is installed) the same run compares them on
+the card: bf16, and the servers share it, each taking an equal part of its memory
+(`--gpu-memory-utilization` for vLLM, `gpu_memory_utilization` for the kit), the same KV cache.
 """
 
 from __future__ import annotations
@@ -272,18 +276,40 @@ def free_port() -> int:
     return pick()
 
 
-def start_vllm(checkpoint: Path, args: Any, workdir: Path) -> Server:
-    """Bare vLLM's OpenAI server on the same checkpoint and settings."""
-    port = free_port()
+def on_gpu() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def settle(args: Any, gpu: bool) -> None:
+    """Resolve the settings that differ on a GPU: the dtype (auto: bf16 there, float32 on a CPU)
+    and each server's share of the card (None on a CPU)."""
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if gpu else "float32"
+    args.gpu_share = round(0.9 / (2 + int(args.ray)), 2) if gpu else None
+
+
+def vllm_command(checkpoint: Path, args: Any, port: int) -> list[str]:
+    """Bare vLLM's server with the settings the kit's servers get."""
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(checkpoint), "--served-model-name", MODEL_NAME,
-        "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+        "--host", "127.0.0.1", "--port", str(port), "--dtype", args.dtype,
         "--max-model-len", str(args.max_model_len), "--seed", "0",
         "--kv-cache-memory-bytes", str(int(args.kv_gb * 2**30)),
         "--enable-prefix-caching", "--enable-prompt-tokens-details",
         "--limit-mm-per-prompt", json.dumps({"image": 8}), "--generation-config", "vllm",
     ]  # fmt: skip
+    if args.gpu_share:
+        command += ["--gpu-memory-utilization", str(args.gpu_share)]
+    return command
+
+
+def start_vllm(checkpoint: Path, args: Any, workdir: Path) -> Server:
+    """Bare vLLM's OpenAI server on the same checkpoint and settings."""
+    port = free_port()
+    command = vllm_command(checkpoint, args, port)
     log = open(workdir / "vllm-serve.log", "ab")  # noqa: SIM115 (closed by stop)
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
     base = f"http://127.0.0.1:{port}"
@@ -309,13 +335,16 @@ def start_vllm(checkpoint: Path, args: Any, workdir: Path) -> Server:
 
 
 def kit_env(args: Any) -> dict[str, str]:
-    return {
+    env = {
         "LLAVA_ENGINE": "vllm",
-        "LLAVA_DTYPE": "float32",
+        "LLAVA_DTYPE": args.dtype,
         "LLAVA_MAX_CONTEXT_TOKENS": str(args.max_model_len),
         "LLAVA_KV_CACHE_GB": str(args.kv_gb),
         "LLAVA_MAX_SESSIONS": "256",
     }
+    if args.gpu_share:
+        env["LLAVA_GPU_MEMORY_UTILIZATION"] = str(args.gpu_share)
+    return env
 
 
 def start_kit_torchserve(checkpoint: Path, args: Any, workdir: Path) -> Server:
@@ -337,11 +366,13 @@ def start_kit_ray(checkpoint: Path, args: Any, workdir: Path) -> Server:
     return Server("kit-ray", chat, ray.url(f"/predictions/{MODEL_NAME}"), ray.stop)
 
 
-def checkpoint_of(model: str, workdir: Path) -> Path:
+def checkpoint_of(model: str, workdir: Path, gpu: bool = False) -> Path:
     if model == "shapes":
         return ROOT / "models" / "shapes"
     from llava.tools.tiny import build_checkpoint
 
+    if gpu:  # a 7B shape: built on the card in bf16, in about a minute
+        return build_checkpoint(workdir / model, model, device="cuda", dtype="bfloat16")
     return build_checkpoint(workdir / model, model)
 
 
@@ -358,7 +389,8 @@ def scenarios(args: Any) -> list[tuple[str, str, int, float]]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="llava15")
+    parser.add_argument("--model", default="llava15", help="on a GPU: llava15-7b")
+    parser.add_argument("--dtype", default="auto", help="auto: bfloat16 on a GPU, else float32")
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
@@ -378,8 +410,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.plot:
         plot(json.loads(args.plot.read_text()), args.plot.with_suffix(".png"))
         return
+    gpu = on_gpu()
+    settle(args, gpu)
     work = Path(tempfile.mkdtemp(prefix="bench-peer-"))
-    checkpoint = checkpoint_of(args.model, work)
+    checkpoint = checkpoint_of(args.model, work, gpu)
     starters = [start_vllm, start_kit_torchserve] + ([start_kit_ray] if args.ray else [])
     servers: list[Server] = []
     try:

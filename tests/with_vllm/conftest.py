@@ -33,7 +33,7 @@ class Oracle:
     chat template and tokenized whole by the tokenizer, each picture sent under its content id
     (one placeholder each; vLLM expands it), greedy, with no prefix cache."""
 
-    def __init__(self, checkpoint: Path) -> None:
+    def __init__(self, checkpoint: Path, dtype: str = "float32", **engine: Any) -> None:
         from vllm import LLM
 
         from llava.engines.checkpoint import load_processor  # AutoProcessor, less any video part
@@ -41,17 +41,32 @@ class Oracle:
         self.processor = load_processor(checkpoint)
         self.llm = LLM(
             model=str(checkpoint),
-            dtype="float32",
+            dtype=dtype,
             enforce_eager=True,
             max_model_len=1024,
             seed=0,
             enable_prefix_caching=False,
             limit_mm_per_prompt={"image": 8},
+            **engine,
         )
         self.eos = self.processor.tokenizer.eos_token_id
 
     def answer(self, messages: list[dict[str, Any]], pictures: list[Any], tokens: int) -> list[int]:
         """Return the greedy answer's ids (without the end-of-answer id)."""
+        return self._generate(messages, pictures, tokens, None)[0]
+
+    def greedy(self, messages: list[dict[str, Any]], pictures: list[Any], tokens: int) -> Any:
+        """Return the greedy answer with each step's top tokens (a `helpers.Greedy`), for
+        answers computed in bf16, where near-ties may fall either way."""
+        from helpers import TOP_K, Greedy
+
+        ids, top = self._generate(messages, pictures, tokens, TOP_K)
+        text = str(self.processor.tokenizer.decode(ids, skip_special_tokens=True))
+        return Greedy(ids, top, text)
+
+    def _generate(
+        self, messages: list[dict[str, Any]], pictures: list[Any], tokens: int, top: int | None
+    ) -> tuple[list[int], list[list[int]]]:
         import hashlib
 
         from vllm import SamplingParams
@@ -67,9 +82,15 @@ class Oracle:
             request["multi_modal_uuids"] = {
                 "image": ["sha256:" + hashlib.sha256(p.tobytes()).hexdigest() for p in rgb]
             }
-        [out] = self.llm.generate([request], SamplingParams(temperature=0, max_tokens=tokens))
+        sampling = SamplingParams(temperature=0, max_tokens=tokens, logprobs=top)
+        [out] = self.llm.generate([request], sampling)
         answer = list(out.outputs[0].token_ids)
-        return answer[:-1] if answer and answer[-1] == self.eos else answer
+        ranked = [
+            sorted(step, key=lambda t: step[t].rank)[:top] for step in out.outputs[0].logprobs or []
+        ]
+        if answer and answer[-1] == self.eos:
+            return answer[:-1], ranked[:-1]
+        return answer, ranked
 
 
 @pytest.fixture(scope="session")

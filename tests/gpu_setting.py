@@ -13,14 +13,15 @@ class Setting:
     device: str
     dtype: str
     profiles: tuple[str, str]  # llava-1.5-shaped, then a second family
+    vllm_profile: str  # llava-1.5-shaped, with heads vLLM's attention takes (CPU: 32 wide)
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
 
 
-CUDA = Setting("cuda", "bfloat16", ("llava15-7b", "next-7b"))
-CPU_LOGIC = Setting("cpu", "float32", ("tiny", "next"))
+CUDA = Setting("cuda", "bfloat16", ("llava15-7b", "next-7b"), "llava15-7b")
+CPU_LOGIC = Setting("cpu", "float32", ("tiny", "next"), "tiny-vllm")
 
 
 def setting() -> Setting | None:
