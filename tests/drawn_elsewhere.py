@@ -51,9 +51,7 @@ def _layout(rng: random.Random) -> Scene:
             for _ in range(100):
                 x = rng.uniform(size / 2 + 4, width - size / 2 - 4)
                 y = rng.uniform(size / 2 + 4, height - size / 2 - 4)
-                if all(
-                    max(abs(x - o.x), abs(y - o.y)) > 0.6 * (size + o.size) for o in shapes
-                ):
+                if all(max(abs(x - o.x), abs(y - o.y)) > 0.6 * (size + o.size) for o in shapes):
                     shapes.append(Shape(kind, colour, x, y, size))
                     break
         if len(shapes) == count:
