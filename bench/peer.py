@@ -21,8 +21,10 @@ Workloads, each at 1, 4, 8 and 16 conversations at once:
 
 Figures: first-turn and follow-up TTFT (p50, p95), decode tokens/s after the first token,
 aggregate output tokens/s, bytes sent per follow-up, prompt tokens prefilled (not found in a
-cache) per follow-up. Prints tables, writes bench/results/peer-<model>.json; `--plot FILE`
-draws it (with the kit's own environment, which has matplotlib).
+cache) per follow-up, and for the kit the time per stage: TTFT inside its engine (as its usage
+reports it) and the rest (HTTP, the front, the picture's decoding, the session). Prints
+tables, writes bench/results/peer-<model>.json; `--plot FILE` draws it (with the kit's own
+environment, which has matplotlib).
 
     unshare -n sh -c 'ip link set lo up && .venv-vllm/bin/python bench/peer.py --ray'
 
@@ -76,6 +78,9 @@ class Conversation:
     decode_tps: list[float] = field(default_factory=list)
     sent: list[int] = field(default_factory=list)
     prefilled: list[int] = field(default_factory=list)
+    engine_ms: list[float] = field(default_factory=list)  # the kit's own TTFT, in its engine
+    image_prefilled: list[int] = field(default_factory=list)  # 1: the picture's tokens again
+    image_end: int = 0  # where the picture's tokens end in the prompt
     tokens: int = 0
 
 
@@ -139,12 +144,18 @@ def timed(conv: Conversation, events: Any, sent_at: float, size: int) -> None:
     end = time.perf_counter()
     generated = int(usage.get("completion_tokens", usage.get("generated_tokens", 0)))
     if "prompt_tokens" in usage:
-        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-        prefilled = int(usage["prompt_tokens"]) - int(cached)
+        cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        prefilled = int(usage["prompt_tokens"]) - cached
     else:
+        cached = int(usage.get("cached_tokens", 0))
         prefilled = int(usage.get("prefill_tokens", 0))
+    # The cache hit stops short of the picture's end: its tokens are computed again, and the
+    # vision tower runs for them unless vLLM's encoder cache still holds its output.
+    conv.image_prefilled.append(int(cached < conv.image_end))
     first = first or end
     conv.ttft_ms.append((first - sent_at) * 1000)
+    if usage.get("ttft_ms") is not None:  # the kit says how much of it its engine took
+        conv.engine_ms.append(float(usage["ttft_ms"]))
     if generated > 1 and end > first:
         conv.decode_tps.append((generated - 1) / (end - first))
     conv.sent.append(size)
@@ -161,10 +172,11 @@ def collecting(events: Any, answer: list[str]) -> Any:
 
 
 def chat_conversation(
-    server: Server, seed: int, turns: int, tokens: int, think_s: float, link: Link, px: int
-) -> Conversation:
+    server: Server, seed: int, turns: int, tokens: int, think_s: float, link: Link, px: int,
+    image_end: int,
+) -> Conversation:  # fmt: skip
     """A chat client: the whole chat, picture included, re-sent every turn; no header."""
-    conv = Conversation()
+    conv = Conversation(image_end=image_end)
     image = photo_uri(seed, px)
     messages: list[dict[str, Any]] = []
     headers = {"Content-Type": "application/json"}
@@ -197,11 +209,12 @@ def chat_conversation(
 
 
 def session_conversation(
-    server: Server, seed: int, turns: int, tokens: int, think_s: float, link: Link, px: int
-) -> Conversation:
+    server: Server, seed: int, turns: int, tokens: int, think_s: float, link: Link, px: int,
+    image_end: int,
+) -> Conversation:  # fmt: skip
     """The kit's session API: the picture once, then each question alone."""
     assert server.session_url is not None
-    conv = Conversation()
+    conv = Conversation(image_end=image_end)
     url = server.session_url
     with httpx.Client(timeout=600) as client:
         started = time.perf_counter()
@@ -250,14 +263,26 @@ def run(
         convs = list(
             pool.map(
                 lambda i: talk(
-                    server, seed + i, args.turns, args.tokens, think_s, link, args.photo_px
-                ),
+                    server,
+                    seed + i,
+                    args.turns,
+                    args.tokens,
+                    think_s,
+                    link,
+                    args.photo_px,
+                    args.image_end,
+                ),  # fmt: skip
                 range(chats),
             )
         )
     wall = time.perf_counter() - started
     first = [c.ttft_ms[0] for c in convs]
     follow = [t for c in convs for t in c.ttft_ms[1:]]
+    # Time per stage, for the kit: TTFT in its engine (from the turn's start there to its first
+    # token) and the rest (HTTP, the front, decoding the picture, the session); bare vLLM's
+    # server does not report its split, so 0 there.
+    engine_first = [c.engine_ms[0] for c in convs if c.engine_ms]
+    engine_follow = [t for c in convs for t in c.engine_ms[1:]]
     return {
         "first_ttft_p50": p(first, 0.5),
         "first_ttft_p95": p(first, 0.95),
@@ -267,6 +292,15 @@ def run(
         "aggregate_tps": sum(c.tokens for c in convs) / wall,
         "bytes_per_follow_up": statistics.mean(s for c in convs for s in c.sent[1:]),
         "prefilled_per_follow_up": statistics.mean(x for c in convs for x in c.prefilled[1:]),
+        "image_prefilled_per_follow_up": statistics.mean(
+            x for c in convs for x in c.image_prefilled[1:]
+        ),
+        "kit_engine_first_ttft_p50": p(engine_first, 0.5),
+        "kit_front_first_ms_p50": p(first, 0.5) - p(engine_first, 0.5) if engine_first else 0.0,
+        "kit_engine_follow_ttft_p50": p(engine_follow, 0.5),
+        "kit_front_follow_ms_p50": (
+            p(follow, 0.5) - p(engine_follow, 0.5) if engine_follow else 0.0
+        ),
     }
 
 
@@ -366,6 +400,28 @@ def start_kit_ray(checkpoint: Path, args: Any, workdir: Path) -> Server:
     return Server("kit-ray", chat, ray.url(f"/predictions/{MODEL_NAME}"), ray.stop)
 
 
+def image_end(checkpoint: Path, px: int) -> int:
+    """Where a conversation's picture ends in its prompt: the first message's ids, rendered and
+    expanded by the checkpoint's own processor, up to its last image token."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from llava.engines.checkpoint import load_processor
+
+    processor = load_processor(checkpoint)
+    data = base64.b64decode(photo_uri(1, px).split(",", 1)[1])
+    picture = Image.open(io.BytesIO(data)).convert("RGB")
+    content = [{"type": "image"}, {"type": "text", "text": SCENE_PROMPTS[0]}]
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+    )
+    ids = list(processor(text=text, images=[picture])["input_ids"][0])
+    image_id = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    return len(ids) - ids[::-1].index(image_id)
+
+
 def checkpoint_of(model: str, workdir: Path, gpu: bool = False) -> Path:
     if model == "shapes":
         return ROOT / "models" / "shapes"
@@ -414,6 +470,7 @@ def main(argv: list[str] | None = None) -> None:
     settle(args, gpu)
     work = Path(tempfile.mkdtemp(prefix="bench-peer-"))
     checkpoint = checkpoint_of(args.model, work, gpu)
+    args.image_end = image_end(checkpoint, args.photo_px)
     starters = [start_vllm, start_kit_torchserve] + ([start_kit_ray] if args.ray else [])
     servers: list[Server] = []
     try:

@@ -58,8 +58,10 @@ class Recipe:
     # Each scene is drawn in one random look (looks.py) with shapes this big (a range, of the
     # canvas's longer side): trained on one look and size, it saw 70-76% right elsewhere.
     sizes: tuple[float, float] = (0.12, 0.32)
-    # The share of dialogues with no picture (chatter.py): chat clients send those too.
-    text_only: float = 0.06
+    # The share of steps whose batch has no picture (chatter.py: chat clients send those too),
+    # in batches of their own: a long request (Open WebUI's title prompt) pads a whole batch.
+    text_only: float = 0.05
+    text_batch: int = 16
     # 1e-3 learnt colours but not to read the side flags (positions 65%); 5e-4 learns both.
     lr: float = 5e-4
     # After stage 0 the tower is frozen (0), so the words do not wash out what it learned to
@@ -182,19 +184,19 @@ def train(out: str | Path = SHIPPED, recipe: Recipe = Recipe(), *, overwrite: bo
     for step in bar:
         aligning = step < recipe.align_steps
         chosen, rows = [], []
-        for _ in range(recipe.batch):
-            system = rng.choice(SYSTEM_PROMPTS) if rng.random() < 0.15 else None
-            turns = rng.randint(1, recipe.max_turns)
-            if not aligning and rng.random() < recipe.text_only:
-                rows.append(encode(processor, text_dialogue(rng, turns), system, 0, False))
-                continue
+        if not aligning and rng.random() < recipe.text_only:
+            for _ in range(recipe.text_batch):
+                talk = text_dialogue(rng, rng.randint(1, 2))
+                rows.append(encode(processor, talk, _system(rng), 0, False))
+        for _ in range(0 if rows else recipe.batch):
             chosen.append(rng.randrange(len(scenes)))
             scene = scenes[chosen[-1]]
             talk = [describe(scene, rng)] if aligning and rng.random() < 0.6 else None
-            talk = talk or dialogue(scene, rng, turns)
-            rows.append(encode(processor, talk, system, spec.num_image_tokens))
+            talk = talk or dialogue(scene, rng, rng.randint(1, recipe.max_turns))
+            rows.append(encode(processor, talk, _system(rng), spec.num_image_tokens))
         ids, labels, mask = _pad(rows, tokenizer.pad_token_id)
-        logits = model(input_ids=ids, attention_mask=mask, pixel_values=pool[chosen]).logits
+        images = pool[chosen] if chosen else None
+        logits = model(input_ids=ids, attention_mask=mask, pixel_values=images).logits
         loss = torch.nn.functional.cross_entropy(
             logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100
         )
@@ -223,6 +225,11 @@ def train(out: str | Path = SHIPPED, recipe: Recipe = Recipe(), *, overwrite: bo
         (staging / "README.md").write_text(_readme(recipe, model, minutes))
 
     return write_staged(out, write, overwrite=overwrite)
+
+
+def _system(rng: random.Random) -> str | None:
+    """Return a system prompt for one dialogue in seven, as clients sometimes send one."""
+    return rng.choice(SYSTEM_PROMPTS) if rng.random() < 0.15 else None
 
 
 def _pad(rows: list[tuple[list[int], list[int]]], pad: int) -> tuple[Any, Any, Any]:
