@@ -73,12 +73,15 @@ def visible_text(text: str, stops: tuple[str, ...], *, final: bool) -> tuple[str
 
 
 class Answer(Protocol):
-    """An answer being generated, as `show` updates it."""
+    """An answer being generated, as `show` and `finish_answer` update it."""
 
     detokenizer: Detokenizer
     params: GenerationParams
     text: str
     delta: str
+    done: bool
+    finish_reason: str | None
+    finished_at: float | None
 
 
 def show(answer: Answer, *, final: bool) -> bool:
@@ -88,6 +91,16 @@ def show(answer: Answer, *, final: bool) -> bool:
     answer.delta += shown[len(answer.text) :]
     answer.text = shown
     return stopped
+
+
+def finish_answer(answer: Answer, reason: str) -> None:
+    """End an answer with the text it has: what was held back shows, and if that completes a
+    stop string the reason is "stop"."""
+    answer.detokenizer.flush()
+    if show(answer, final=True):
+        reason = "stop"
+    answer.done, answer.finish_reason = True, reason
+    answer.finished_at = time.perf_counter()
 
 
 def answer_usage(

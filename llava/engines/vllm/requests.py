@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from llava.engines.conversation.text import show
+from llava.engines.conversation.text import finish_answer, show
 from llava.engines.vllm.state import VllmTurn
 
 
@@ -89,11 +89,7 @@ class Requests:
         if turn.done:
             return
         self.abort(turn)
-        turn.detokenizer.flush()
-        if show(turn, final=True):  # the text held back at the end completed a stop
-            reason = "stop"
-        turn.done, turn.finish_reason = True, reason
-        turn.finished_at = time.perf_counter()
+        finish_answer(turn, reason)
 
     def abort(self, turn: VllmTurn) -> None:
         """Stop a turn's request if vLLM still runs it."""

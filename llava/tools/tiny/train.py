@@ -191,8 +191,10 @@ def train(out: str | Path = SHIPPED, recipe: Recipe = Recipe(), *, overwrite: bo
         for _ in range(0 if rows else recipe.batch):
             chosen.append(rng.randrange(len(scenes)))
             scene = scenes[chosen[-1]]
-            talk = [describe(scene, rng)] if aligning and rng.random() < 0.6 else None
-            talk = talk or dialogue(scene, rng, rng.randint(1, recipe.max_turns))
+            if aligning and rng.random() < 0.6:
+                talk = [describe(scene, rng)]
+            else:
+                talk = dialogue(scene, rng, rng.randint(1, recipe.max_turns))
             rows.append(encode(processor, talk, _system(rng), spec.num_image_tokens))
         ids, labels, mask = _pad(rows, tokenizer.pad_token_id)
         images = pool[chosen] if chosen else None

@@ -10,13 +10,12 @@ and the others go on exactly as if nothing had happened.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from llava.engines.conversation.text import show
+from llava.engines.conversation.text import finish_answer, show
 from llava.engines.transformers.decoding.batch import DecodeBatch, batch_bytes
 from llava.engines.transformers.decoding.sampling import next_token
 from llava.engines.transformers.model.cache import crop_to
@@ -185,11 +184,7 @@ class Decoder:
             self._finish(turn, "length")
 
     def _finish(self, turn: Turn, reason: str) -> None:
-        turn.detokenizer.flush()
-        if show(turn, final=True):  # the text held back at the end completed a stop
-            reason = "stop"
-        turn.done, turn.finish_reason = True, reason
-        turn.finished_at = time.perf_counter()
+        finish_answer(turn, reason)
 
     def split(self, replica_idx: int) -> None:
         """Give the answers of a replica's stacked batch their own caches back."""
