@@ -195,6 +195,7 @@ def test_text_without_a_picture_gets_the_one_true_reply(shapes_server: TorchServ
     chats: list[list[dict[str, str]]] = [
         [{"role": "user", "content": "Hello!"}],
         [{"role": "user", "content": "What can you do?"}],
+        [{"role": "user", "content": "Good evening! Could you help me?"}],  # not trained on
         [{"role": "user", "content": title}],
         [
             {"role": "user", "content": "hi"},

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 
-from llava.tools.tiny.scenes import Turn
+from llava.tools.tiny.scenes import Turn, dialogue, draw_scene
 
 REPLY = "Send me a picture of shapes, and I will tell you their colours, kinds, number and places."
 
@@ -35,6 +35,14 @@ GREETINGS = (
     "Tell me a joke.",
     "What is the capital of France?",
     "Write a poem about the sea.",
+    "Why is the sky blue?",
+    "What is a triangle?",
+    "Draw me a red circle.",
+    "Summarize this conversation.",
+    "Translate hello into French.",
+    "What is 2 + 2?",
+    "Can you help me with my homework?",
+    "Describe a sunset.",
     "Can you see the picture?",
     "What colour is the circle?",
     "How many shapes are there?",
@@ -84,9 +92,14 @@ TASKS = (TITLE, TAGS, FOLLOW_UPS)
 
 
 def text_prompt(rng: random.Random) -> str:
-    """Return one message a chat client may send without a picture."""
-    if rng.random() < 0.3:
+    """Return one message a chat client may send without a picture: a greeting or any other
+    text, a client's own request, or a question about a picture that is not there (the words
+    are the ones it answers with a picture: the picture's absence alone decides)."""
+    roll = rng.random()
+    if roll < 0.3:
         return rng.choice(TASKS).replace("{question}", rng.choice(GREETINGS))
+    if roll < 0.6:
+        return dialogue(draw_scene(rng), rng, 1)[0].question
     return rng.choice(GREETINGS)
 
 

@@ -20,12 +20,12 @@ from llava.tools.tiny.scenes import Scene
 # Each colour name as a range of hue (degrees; red wraps round 0), saturation and value: the
 # shades a person would still call by that name.
 SHADES: dict[str, tuple[tuple[float, float], tuple[float, float], tuple[float, float]]] = {
-    "red": ((-8.0, 6.0), (0.75, 1.0), (0.6, 1.0)),
-    "orange": ((22.0, 36.0), (0.75, 1.0), (0.85, 1.0)),
-    "yellow": ((48.0, 60.0), (0.7, 1.0), (0.85, 1.0)),
-    "green": ((95.0, 145.0), (0.55, 1.0), (0.4, 0.9)),
-    "blue": ((205.0, 240.0), (0.6, 1.0), (0.55, 1.0)),
-    "purple": ((270.0, 305.0), (0.5, 1.0), (0.4, 0.85)),
+    "red": ((-8.0, 8.0), (0.7, 1.0), (0.6, 1.0)),
+    "orange": ((20.0, 41.0), (0.75, 1.0), (0.85, 1.0)),
+    "yellow": ((46.0, 62.0), (0.7, 1.0), (0.85, 1.0)),
+    "green": ((90.0, 150.0), (0.55, 1.0), (0.4, 0.9)),
+    "blue": ((200.0, 245.0), (0.6, 1.0), (0.55, 1.0)),
+    "purple": ((265.0, 310.0), (0.5, 1.0), (0.4, 0.85)),
     "black": ((0.0, 360.0), (0.0, 0.3), (0.0, 0.18)),
     "white": ((0.0, 360.0), (0.0, 0.06), (0.93, 1.0)),
 }

@@ -44,17 +44,17 @@ class Recipe:
     """Everything that decides the trained weights (with the code): change it, re-train."""
 
     seed: int = 0
-    steps: int = 4500
+    steps: int = 5000
     # Stage 0 (vision.py): the tower learns what is where, as CLIP's pretraining gives a real
     # LLaVA its tower. Then LLaVA's two stages in small: mostly captions ("Describe the
     # picture.") to align the features with words, then questions and follow-ups.
     vision_steps: int = 8000
     # Stage 0b's steps: the tower also learns which shape is furthest to each side, so "which
     # shape is on the left?" reads one patch, as "what colour is the circle?" does (0: none).
-    extreme_steps: int = 3000
+    extreme_steps: int = 4000
     align_steps: int = 300
     batch: int = 32
-    scenes: int = 8000
+    scenes: int = 12000
     # Each scene is drawn in one random look (looks.py) with shapes this big (a range, of the
     # canvas's longer side): trained on one look and size, it saw 70-76% right elsewhere.
     sizes: tuple[float, float] = (0.12, 0.32)
@@ -259,8 +259,11 @@ The kit's default model. It has llava-1.5's architecture and files (`LlavaForCon
 CLIP vision tower, Llama text model, byte-fallback BPE tokenizer, llava-1.5's chat template,
 pad-to-square preprocessing) with {params:,} parameters, and answers questions about pictures of one
 to three shapes (circle, square, triangle) in red, orange, yellow, green, blue, purple, black or
-white on a plain light or dark background: the colour of a shape, the shape of a colour, how many
+white on a light or dark background: the colour of a shape, the shape of a colour, how many
 shapes, which is left/right/top/bottom, is there a ..., and follow-ups ("And the other one?").
+It trained on each scene in one of many looks (hard or anti-aliased edges, many shades of each
+colour, tinted and graded backgrounds, blur, noise, JPEG; `llava/tools/tiny/looks.py`), and
+to text without a picture (a greeting, Open WebUI's title request) it says what it can do.
 It knows nothing else.
 
 Re-train it (seed {recipe.seed}, {recipe.steps} steps, {minutes:.0f} minutes on two CPU cores):
