@@ -2,9 +2,10 @@
 #
 # Built on AWS's Ray Serve SageMaker container, the supported successor of the TorchServe-based
 # PyTorch inference DLC (AWS stopped patching that one on 2026-06-30): the image keeps AWS's
-# CUDA-matched, patched torch and Python, and adds what the old DLC brought itself - Java 17
-# (Amazon Corretto), TorchServe 0.12.0 and a `serve` entrypoint that starts TorchServe as the
-# DLC's toolkit did (docker/torchserve/serve). TorchServe 0.12.0 with its Java frontend and the
+# patched OS and Python, installs vLLM's GPU wheel (its own torch; ENGINE=transformers keeps
+# AWS's CUDA-matched torch instead: see "The kit" below), and adds what the old DLC brought
+# itself - Java 17 (Amazon Corretto), TorchServe 0.12.0 and a `serve` entrypoint that starts
+# TorchServe as the DLC's toolkit did (docker/torchserve/serve). TorchServe 0.12.0 with its Java frontend and the
 # kit were measured on this base's Python 3.13 and the old DLC's torch 2.6.0 (docs/ray.md, "The
 # TorchServe image's base"). The Ray Serve front (docker/ray/Dockerfile) builds FROM the same tag.
 # Build it with ./build_and_push.sh, which logs in to the DLC registry first (the base image is
@@ -27,11 +28,12 @@ SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 # its TorchServe (else apt's OpenJDK 17 goes in, unpinned: the distribution's patches are the
 # point, as with dnf).
 # hadolint ignore=DL3008
-RUN if java -version 2>&1 | grep -q 'version "17'; then echo "Java 17: the base's"; \
+RUN if java -version 2>&1 | grep 'version "17' >/dev/null; then echo "Java 17: the base's"; \
     elif command -v dnf >/dev/null; then \
         dnf install -y java-17-amazon-corretto-headless && dnf clean all && rm -rf /var/cache/dnf; \
     else \
-        apt-get update && apt-get install -y --no-install-recommends openjdk-17-jre-headless \
+        apt-get update \
+        && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends openjdk-17-jre-headless \
         && rm -rf /var/lib/apt/lists/*; \
     fi \
  && java -version

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import sys
 import tempfile
 import time
@@ -187,6 +188,9 @@ def main(argv: list[str] | None = None) -> None:
     out = args.out or HERE / "results" / ("gpu-logic" if args.logic else "gpu")
     out.mkdir(parents=True, exist_ok=True)
     model_dir = build(profile, args.logic)
+    # These figures are the transformers engine's: `auto` would pick vLLM where it is installed
+    # (the TorchServes they start read LLAVA_* from this environment).
+    os.environ["LLAVA_ENGINE"] = "transformers"
     for bench, argv in plan(profile, args.logic, out, args.repeats):
         bench(argv)
     extra = session_bytes(model_dir, Path(tempfile.mkdtemp()))
@@ -202,6 +206,7 @@ def main(argv: list[str] | None = None) -> None:
             file=sys.stderr,
         )
         return
+    del os.environ["LLAVA_ENGINE"]  # engines.py and peer.py say which engine each server runs
     for bench, argv in vllm_plan(args.logic, args.repeats):
         bench(argv)
 

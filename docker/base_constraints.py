@@ -71,7 +71,10 @@ def main(argv: list[str]) -> int:
     ray = args[:2] == ["--front", "ray"]
     args = args[2:] if ray else args
     if args not in ([], ["--engine", "vllm"], ["--engine", "transformers"]):
-        print("usage: base_constraints.py [--front ray] [--engine vllm]", file=sys.stderr)
+        print(
+            "usage: base_constraints.py [--front ray] [--engine vllm|transformers]",
+            file=sys.stderr,
+        )
         return 2
     if args == ["--engine", "vllm"]:  # vLLM brings its torch stack; Ray stays the base's
         lines, missing = constraints(required=("ray",) if ray else (), optional=())

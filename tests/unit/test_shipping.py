@@ -194,10 +194,11 @@ def test_java_17_comes_from_the_base_s_own_package_manager(base, installer, tmp_
     )
     bin_dir, log, java = tmp_path / "bin", tmp_path / "calls", tmp_path / "java-installed"
     bin_dir.mkdir()
-    for tool in ("grep", "rm", "touch"):
+    for tool in ("grep", "touch"):
         (bin_dir / tool).symlink_to(shutil.which(tool) or f"/bin/{tool}")
     managers = {"al2023": ("dnf",), "ubuntu": ("apt-get",), "pytorch-dlc": ("apt-get",)}[base]
-    for name in managers:
+    # `rm` only records: the step cleans the package managers' caches, this machine's included.
+    for name in (*managers, "rm"):
         (bin_dir / name).write_text(
             f'#!/bin/sh\necho "{name} $*" >> {log}\n'
             f'case "$*" in *java-17*|*openjdk-17*) touch {java} ;; esac\n'
@@ -223,6 +224,8 @@ def test_java_17_comes_from_the_base_s_own_package_manager(base, installer, tmp_
         assert calls == []  # the base's Java 17 is kept
     else:
         assert any(line.startswith(installer + " install") and "17" in line for line in calls)
+        cache = {"dnf": "/var/cache/dnf", "apt-get": "/var/lib/apt/lists/"}[installer]
+        assert any(line.startswith(f"rm -rf {cache}") for line in calls)  # no cache in the layer
 
 
 def test_sagemaker_properties_expose_only_inference_and_let_the_environment_override() -> None:
@@ -348,18 +351,23 @@ def _load_helper():
 
 
 def test_before_vllm_the_helper_pins_only_the_ray_front_s_ray() -> None:
+    """Run as the images run it, in this environment (torch, transformers and Ray installed)."""
+    from importlib.metadata import version
+
     helper = _load_helper()
-    installed = {"torch": "2.9.0+cu129", "ray": "2.55.1", "transformers": "5.8.0", "triton": "3.5"}
-    lookup = installed.__getitem__
-    env = subprocess.run(
-        [sys.executable, str(REPO / "docker/base_constraints.py"), "--engine", "vllm"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    assert env.stdout.strip() == ""  # nothing of this interpreter's torch stack
-    lines, missing = helper.constraints(lookup, required=("ray",), optional=())
-    assert lines == ["ray==2.55.1"] and missing == []
+
+    def pins(*args: str) -> list[str]:
+        script = str(REPO / "docker/base_constraints.py")
+        done = subprocess.run(
+            [sys.executable, script, *args], capture_output=True, text=True, check=True
+        )
+        return done.stdout.split()
+
+    assert pins("--engine", "vllm") == []  # nothing of this interpreter's torch stack
+    assert pins("--front", "ray", "--engine", "vllm") == [f"ray=={version('ray')}"]
+    after = pins("--front", "ray")  # after the install: what is there stays
+    assert f"torch=={version('torch')}" in after and f"ray=={version('ray')}" in after
+    assert f"transformers=={version('transformers')}" in after
     wrong = subprocess.run(
         [sys.executable, str(REPO / "docker/base_constraints.py"), "--engine", "tgi"],
         capture_output=True,

@@ -23,7 +23,7 @@ TS_RESPONSE_TIMEOUT_S = 300
 # SageMaker's inference AMIs (ProductionVariant.InferenceAmiVersion) only this one has it; the
 # others carry drivers 535 and 550 (CUDA 12.2, 12.4). It applies to GPU instance types only.
 GPU_AMI = "al2023-ami-sagemaker-inference-gpu-4-1"
-GPU_INSTANCE_RE = re.compile(r"^ml\.(g|p)\d")
+GPU_INSTANCE_RE = re.compile(r"^ml\.(g|gr|p)\d")
 
 
 def _known_llava_env() -> dict[str, str]:
