@@ -18,7 +18,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-import drawn_elsewhere
 import httpx
 import pytest
 from conftest import served
@@ -29,7 +28,6 @@ from llava.core.paths import SAMPLE_IMAGE
 from llava.fronts.torchserve.launcher import TorchServe
 from llava.tools.archive import build_archive
 from llava.tools.quickstart import FOLLOW_UP, QUESTION
-from llava.tools.tiny.chatter import REPLY, TITLE
 from llava.tools.tiny.quiz import Item, make_quiz, report, score, shortfalls
 from llava.tools.tiny.scenes import SAMPLE, colour_answer, shape_answer
 from llava.tools.tiny.train import SHIPPED
@@ -39,9 +37,6 @@ MAX_NEW_TOKENS = 24
 ORIENTATION = 0x0112  # the EXIF tag; 6 = "rotate 90 degrees clockwise to display"
 MODES = ("inline", "url", "exif")
 QUIZ = make_quiz(SCENES)
-# On pictures it was not trained on (tests/drawn_elsewhere.py), every kind of question but the
-# whole description is held to this.
-ELSEWHERE_TARGET = 0.9
 
 
 class Files(BaseHTTPRequestHandler):
@@ -155,61 +150,6 @@ def test_answers_about_unseen_scenes_are_true(
         if got != want
     ]
     assert not differ, f"{mode}: served answers differ from transformers' pipeline: {differ[:5]}"
-
-
-def test_scenes_drawn_by_another_renderer_are_seen_too(shapes_server: TorchServe) -> None:
-    """Pictures as people make them: anti-aliased, in CSS shades, on white, paper or dark-theme
-    canvases, as JPEGs, drawn by a renderer written apart from the training one."""
-    elsewhere = drawn_elsewhere.quiz(2 * SCENES)
-    url = shapes_server.url("/predictions/llava")
-    with ThreadPoolExecutor(8) as pool:
-        answers = list(
-            pool.map(
-                lambda item: converse(
-                    url,
-                    "data:image/jpeg;base64," + base64.b64encode(item.picture).decode(),
-                    [t.question for t in item.turns],
-                ),
-                elsewhere,
-            )
-        )
-    scores = score(elsewhere, answers)
-    print("\n" + report(scores))
-    low = [
-        kind
-        for kind, (right, asked) in scores.items()
-        if kind != "describe" and right < ELSEWHERE_TARGET * asked
-    ]
-    assert not low, f"below {ELSEWHERE_TARGET:.0%} on {low}:\n{report(scores)}"
-
-
-def test_text_without_a_picture_gets_the_one_true_reply(shapes_server: TorchServe) -> None:
-    """What chat clients send with no picture: a greeting, a question, Open WebUI's title
-    request, a second turn; the model says what it can do, nothing else."""
-    from openai import OpenAI
-
-    client = OpenAI(
-        base_url=shapes_server.url("/predictions/llava/1.0/v1"), api_key="unused", max_retries=0
-    )
-    title = TITLE.replace("{question}", "What colour is the circle?")
-    chats: list[list[dict[str, str]]] = [
-        [{"role": "user", "content": "Hello!"}],
-        [{"role": "user", "content": "What can you do?"}],
-        [{"role": "user", "content": "Good evening! Could you help me?"}],  # not trained on
-        [{"role": "user", "content": title}],
-        [
-            {"role": "user", "content": "hi"},
-            {"role": "assistant", "content": REPLY},
-            {"role": "user", "content": "Who are you?"},
-        ],
-    ]
-    for chat in chats:
-        reply = client.chat.completions.create(
-            model="llava",
-            messages=chat,
-            max_tokens=MAX_NEW_TOKENS,  # type: ignore[arg-type]
-        )
-        assert reply.choices[0].message.content == REPLY, chat[-1]["content"][:40]
 
 
 def test_the_quickstart_answers_truly_about_the_sample(shapes_server: TorchServe) -> None:
