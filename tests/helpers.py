@@ -404,3 +404,12 @@ def peak_bytes(run: Callable[[], object]) -> int:
         return 0
     before = changes[0]["Total Allocated"] - changes[0]["Bytes"]
     return max(0, max(c["Total Allocated"] for c in changes) - before)
+
+
+def step_all(engine: Any, turns: list[Any]) -> None:
+    """Step turns together (their decodes batched) until every one is done; commit them
+    (either engine: the contract's `step` and `finish_turn`)."""
+    while not all(turn.done for turn in turns):
+        assert engine.step(turns) == {}
+    for turn in turns:
+        engine.finish_turn(turn)

@@ -26,6 +26,7 @@ from helpers import (
     make_image,
     peak_bytes,
     serve_rows,
+    step_all,
 )
 
 from llava.api.headers import SESSION_HEADER
@@ -89,14 +90,6 @@ def family(request: pytest.FixtureRequest, gpu: Setting, checkpoints: dict[str, 
     del engine, oracle
     if gpu.device == "cuda":
         torch.cuda.empty_cache()
-
-
-def step_all(engine: LlavaEngine, turns: list[Any]) -> None:
-    """Step turns together (their decodes batched) until every one is done; commit them."""
-    while not all(turn.done for turn in turns):
-        assert engine.step(turns) == {}
-    for turn in turns:
-        engine.finish_turn(turn)
 
 
 def test_sessions_and_batched_decode_answer_as_the_pipeline(family) -> None:

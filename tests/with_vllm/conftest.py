@@ -122,13 +122,9 @@ def expected_text(
     oracle: Oracle, history: list[tuple[str, str]], question: str, pic: Any, tokens: int
 ) -> str:
     """vLLM's offline answer, as text, to a conversation opened with `pic`."""
-    messages: list[dict[str, Any]] = []
-    for i, (q, a) in enumerate([*history, (question, None)]):
-        image: list[dict[str, str]] = [{"type": "image"}] if i == 0 else []
-        messages.append({"role": "user", "content": [*image, {"type": "text", "text": q}]})
-        if a is not None:
-            messages.append({"role": "assistant", "content": [{"type": "text", "text": a}]})
-    ids = oracle.answer(messages, [pic], tokens)
+    from helpers import Reference
+
+    ids = oracle.answer(Reference.messages(None, history, question), [pic], tokens)
     return str(oracle.processor.tokenizer.decode(ids, skip_special_tokens=True))
 
 

@@ -24,6 +24,7 @@ pytest.importorskip("vllm", reason="vLLM runs in its own environment: make test-
 
 from conftest import Oracle, vllm_config  # noqa: E402
 from gpu_setting import Setting, setting  # noqa: E402
+from helpers import Reference, step_all  # noqa: E402
 
 from llava.core.config import ServerConfig  # noqa: E402
 from llava.core.params import GenerationParams  # noqa: E402
@@ -84,23 +85,6 @@ def converse(engine: Any) -> tuple[list[list[tuple[list[int], str]]], float]:
     return answered, seconds
 
 
-def step_all(engine: Any, turns: list[Any]) -> None:
-    while not all(turn.done for turn in turns):
-        assert engine.step(turns) == {}
-    for turn in turns:
-        engine.finish_turn(turn)
-
-
-def messages(past: list[tuple[str, str]], prompt: str) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    for i, (question, answer) in enumerate([*past, (prompt, None)]):
-        image: list[dict[str, str]] = [{"type": "image"}] if i == 0 else []
-        out.append({"role": "user", "content": [*image, {"type": "text", "text": question}]})
-        if answer is not None:
-            out.append({"role": "assistant", "content": [{"type": "text", "text": answer}]})
-    return out
-
-
 def test_both_engines_answer_as_vllms_offline_generate(gpu: Setting, checkpoint: Path) -> None:
     from llava.engines.transformers import LlavaEngine
     from llava.engines.vllm import VllmEngine
@@ -124,7 +108,8 @@ def test_both_engines_answer_as_vllms_offline_generate(gpu: Setting, checkpoint:
             past: list[tuple[str, str]] = []
             for n, (prompt, (ids, text)) in enumerate(zip(PROMPTS, turns, strict=True)):
                 assert ids, f"{name}, session {i}, turn {n + 1}: no answer"
-                greedy = oracle.greedy(messages(past, prompt), [picture(i)], TOKENS)
+                chat = Reference.messages(None, past, prompt)
+                greedy = oracle.greedy(chat, [picture(i)], TOKENS)
                 greedy.assert_close(ids, f"{name}, session {i}, turn {n + 1}")
                 past.append((prompt, text))
     assert engine.stats()["restarts"] == 0
