@@ -413,3 +413,9 @@ def step_all(engine: Any, turns: list[Any]) -> None:
         assert engine.step(turns) == {}
     for turn in turns:
         engine.finish_turn(turn)
+
+
+def centre_colour(image: Image.Image, shape: Any) -> tuple[int, int, int]:
+    """Return the pixel at a point inside a drawn shape (a triangle's lower middle)."""
+    y = shape.y + (shape.size / 6 if shape.kind == "triangle" else 0)
+    return image.getpixel((int(shape.x), int(y)))  # type: ignore[return-value]

@@ -18,6 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import drawn_elsewhere
 import httpx
 import pytest
 from conftest import served
@@ -28,6 +29,7 @@ from llava.core.paths import SAMPLE_IMAGE
 from llava.fronts.torchserve.launcher import TorchServe
 from llava.tools.archive import build_archive
 from llava.tools.quickstart import FOLLOW_UP, QUESTION
+from llava.tools.tiny.chatter import REPLY, TITLE
 from llava.tools.tiny.quiz import Item, make_quiz, report, score, shortfalls
 from llava.tools.tiny.scenes import SAMPLE, colour_answer, shape_answer
 from llava.tools.tiny.train import SHIPPED
@@ -36,7 +38,10 @@ SCENES = 100
 MAX_NEW_TOKENS = 24
 ORIENTATION = 0x0112  # the EXIF tag; 6 = "rotate 90 degrees clockwise to display"
 MODES = ("inline", "url", "exif")
-QUIZ = make_quiz(SCENES)
+QUIZ = make_quiz(SCENES * len(MODES))
+# On pictures it was not trained on (tests/drawn_elsewhere.py), every kind of question but the
+# whole description is held to this.
+ELSEWHERE_TARGET = 0.9
 
 
 class Files(BaseHTTPRequestHandler):
@@ -125,31 +130,91 @@ def converse(url: str, image: str, questions: list[str]) -> list[str]:
     return answers
 
 
-@pytest.mark.parametrize("mode", MODES)
 def test_answers_about_unseen_scenes_are_true(
-    mode: str, shapes_server: TorchServe, oracle: Reference, image_host: str
+    shapes_server: TorchServe, oracle: Reference, image_host: str
 ) -> None:
+    """Each way of sending a picture gets scenes of its own; the targets hold over all of them
+    (300 scenes: on 100, one question of a rare kind moved its score by 5-6 points)."""
     url = shapes_server.url("/predictions/llava")
-    sent = [as_sent(mode, i, item, image_host) for i, item in enumerate(QUIZ)]
+    served_answers: list[list[str]] = []
+    for m, mode in enumerate(MODES):
+        items = QUIZ[m * SCENES : (m + 1) * SCENES]
+        sent = [as_sent(mode, i, item, image_host) for i, item in enumerate(items)]
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(
+                pool.map(
+                    lambda pair: converse(url, pair[0][0], [t.question for t in pair[1].turns]),
+                    zip(sent, items, strict=True),
+                )
+            )
+        in_process = [
+            oracle.answers(meant, [t.question for t in item.turns], MAX_NEW_TOKENS)
+            for (_, meant), item in zip(sent, items, strict=True)
+        ]
+        differ = [
+            (i, got, want)
+            for i, (got, want) in enumerate(zip(answers, in_process, strict=True))
+            if got != want
+        ]
+        assert not differ, f"{mode}: served answers differ from transformers' own: {differ[:5]}"
+        served_answers += answers
+    scores = score(QUIZ, served_answers)
+    print("\n" + report(scores))
+    assert not shortfalls(scores), report(scores)
+
+
+def test_scenes_drawn_by_another_renderer_are_seen_too(shapes_server: TorchServe) -> None:
+    """Pictures as people make them: anti-aliased, in CSS shades, on white, paper or dark-theme
+    canvases, as JPEGs, drawn by a renderer written apart from the training one."""
+    elsewhere = drawn_elsewhere.quiz(2 * SCENES)
+    url = shapes_server.url("/predictions/llava")
     with ThreadPoolExecutor(8) as pool:
-        served_answers = list(
+        answers = list(
             pool.map(
-                lambda pair: converse(url, pair[0][0], [t.question for t in pair[1].turns]),
-                zip(sent, QUIZ, strict=True),
+                lambda item: converse(
+                    url,
+                    "data:image/jpeg;base64," + base64.b64encode(item.picture).decode(),
+                    [t.question for t in item.turns],
+                ),
+                elsewhere,
             )
         )
-    scores = score(QUIZ, served_answers)
-    assert not shortfalls(scores), f"{mode}:\n{report(scores)}"
-    in_process = [
-        oracle.answers(meant, [t.question for t in item.turns], MAX_NEW_TOKENS)
-        for (_, meant), item in zip(sent, QUIZ, strict=True)
+    scores = score(elsewhere, answers)
+    print("\n" + report(scores))
+    low = [
+        kind
+        for kind, (right, asked) in scores.items()
+        if kind != "describe" and right < ELSEWHERE_TARGET * asked
     ]
-    differ = [
-        (i, got, want)
-        for i, (got, want) in enumerate(zip(served_answers, in_process, strict=True))
-        if got != want
+    assert not low, f"below {ELSEWHERE_TARGET:.0%} on {low}:\n{report(scores)}"
+
+
+def test_text_without_a_picture_gets_the_one_true_reply(shapes_server: TorchServe) -> None:
+    """What chat clients send with no picture: a greeting, a question, Open WebUI's title
+    request, a second turn; the model says what it can do, nothing else."""
+    from openai import OpenAI
+
+    client = OpenAI(
+        base_url=shapes_server.url("/predictions/llava/1.0/v1"), api_key="unused", max_retries=0
+    )
+    title = TITLE.replace("{question}", "What colour is the circle?")
+    chats: list[list[dict[str, str]]] = [
+        [{"role": "user", "content": "Hello!"}],
+        [{"role": "user", "content": "What can you do?"}],
+        [{"role": "user", "content": "Good evening! Could you help me?"}],  # not trained on
+        [{"role": "user", "content": "How do I bake bread?"}],  # nor this
+        [{"role": "user", "content": title}],
+        [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": REPLY},
+            {"role": "user", "content": "Who are you?"},
+        ],
     ]
-    assert not differ, f"{mode}: served answers differ from transformers' pipeline: {differ[:5]}"
+    for chat in chats:
+        # No max_tokens, as chat clients send it: the reply ends by itself, at EOS.
+        reply = client.chat.completions.create(model="llava", messages=chat)  # type: ignore[arg-type]
+        assert reply.choices[0].finish_reason == "stop", chat[-1]["content"][:40]
+        assert reply.choices[0].message.content == REPLY, chat[-1]["content"][:40]
 
 
 def test_the_quickstart_answers_truly_about_the_sample(shapes_server: TorchServe) -> None:

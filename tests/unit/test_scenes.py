@@ -8,7 +8,7 @@ import random
 from pathlib import Path
 
 import pytest
-from PIL import Image
+from helpers import centre_colour
 
 from llava.tools.tiny.profiles import PROFILES
 from llava.tools.tiny.quiz import make_quiz, score, shortfalls
@@ -26,12 +26,6 @@ from llava.tools.tiny.train import SHIPPED, Recipe, encode, messages, train
 from llava.tools.tiny.vision import COLOUR_IDS, KIND_IDS, patch_labels
 
 SEEDS = range(200)
-
-
-def centre_colour(image: Image.Image, shape: Shape) -> tuple[int, int, int]:
-    """Return the pixel at a point inside the shape (a triangle's lower middle)."""
-    y = shape.y + (shape.size / 6 if shape.kind == "triangle" else 0)
-    return image.getpixel((int(shape.x), int(y)))  # type: ignore[return-value]
 
 
 @pytest.mark.parametrize("seed", SEEDS[:40])

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from llava.tools.tiny.looks import decoded
 from llava.tools.tiny.scenes import Scene, Turn, dialogue, draw_scene
 
 QUIZ_SEED = 2026  # training draws from seed 0's stream; this one never was
@@ -31,10 +32,16 @@ TARGETS = {
 
 @dataclass(frozen=True)
 class Item:
-    """One scene and the dialogue asked about it."""
+    """One scene and the dialogue asked about it; the picture is the scene's file as sent (None:
+    the scene's own drawing)."""
 
     scene: Scene
     turns: tuple[Turn, ...]
+    picture: bytes | None = None
+
+    def image(self) -> Any:
+        """Return the picture the questions are about, decoded as serving decodes it."""
+        return self.scene.draw() if self.picture is None else decoded(self.picture)
 
 
 def make_quiz(count: int, seed: int = QUIZ_SEED, turns: int = 3) -> list[Item]:
@@ -86,7 +93,7 @@ def in_process(checkpoint: str | Path, max_new_tokens: int = 24) -> Ask:
     model = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32).eval()
 
     def ask(item: Item) -> list[str]:
-        image = item.scene.draw()
+        image = item.image()
         chat: list[dict[str, Any]] = []
         answers = []
         for i, turn in enumerate(item.turns):
@@ -113,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m llava.tools.tiny.quiz", description=__doc__)
     parser.add_argument("checkpoint", nargs="?", type=Path, default=SHIPPED)
-    parser.add_argument("--scenes", type=int, default=100)
+    parser.add_argument("--scenes", type=int, default=300)
     args = parser.parse_args(argv)
     quiz = make_quiz(args.scenes)
     ask = in_process(args.checkpoint)

@@ -94,8 +94,11 @@ class Scene:
         return out.getvalue()
 
 
-def draw_scene(rng: random.Random, count: int | None = None) -> Scene:
-    """Return a random scene: canvas, background and 1-3 non-overlapping shapes."""
+def draw_scene(
+    rng: random.Random, count: int | None = None, sizes: tuple[float, float] = (0.17, 0.26)
+) -> Scene:
+    """Return a random scene: canvas, background and 1-3 non-overlapping shapes, each ``sizes``
+    (a range) of the canvas's longer side across."""
     ratio = math.exp(rng.uniform(math.log(0.5), math.log(2.0)))
     long_side = rng.randint(160, 800)
     width, height = (
@@ -117,7 +120,7 @@ def draw_scene(rng: random.Random, count: int | None = None) -> Scene:
         shapes: list[Shape] = []
         for kind, colour in zip(kinds, colours, strict=True):
             for _ in range(50):
-                size = rng.uniform(0.17, 0.26) * max(width, height)
+                size = rng.uniform(*sizes) * max(width, height)
                 size = min(size, 0.8 * min(width, height))
                 x = rng.uniform(size / 2 + 2, width - size / 2 - 2)
                 y = rng.uniform(size / 2 + 2, height - size / 2 - 2)

@@ -10,6 +10,7 @@ weights and the model keeps llava-1.5's architecture.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -130,7 +131,14 @@ def pretrain_tower(
     heads["extreme"] = torch.nn.Linear(hidden, len(SIDES))
     optimizer.add_param_group({"params": list(heads["extreme"].parameters())})
     extreme_of = torch.tensor([extreme_labels(s, image_size, patch) for s in scenes])
+    # The rate decays to nothing over stage 0b, so the frozen tower ends at a minimum: at a
+    # constant rate one run ended finding the extreme patch 96% of the time (loss 0.19), and
+    # the model answered "which shape is on the left?" 54-61% right.
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * step / extreme_steps))
+    )
     bar = tqdm(range(extreme_steps), desc="stage 0b: where")
     for _ in bar:
         loss, right, where = train_step(extreme_of)
+        schedule.step()
         bar.set_postfix(loss=f"{loss:.3f}", kinds=f"{right:.3f}", where=f"{where:.3f}")
