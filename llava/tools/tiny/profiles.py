@@ -81,7 +81,7 @@ PROFILES: dict[str, TinySpec] = {
 }
 
 # The trained default (`python -m llava.tools.tiny.train`): llava-1.5's architecture, sized so it
-# learns the scenes in `scenes.py` in minutes on two CPU cores.
+# learns the scenes in `scenes.py` in under an hour on two CPU cores.
 PROFILES["shapes"] = replace(
     PROFILES["tiny"],
     image_size=64,

@@ -2,9 +2,9 @@
 
 It has llava-1.5's architecture and files (CLIP vision tower, Llama text model, a
 SentencePiece-style tokenizer, llava-1.5's chat template, pad-to-square preprocessing) at the
-`shapes` profile's size,
-and learns the drawn scenes of `scenes.py` from a fixed seed in minutes on two CPU cores. Every
-example goes through the checkpoint's own processor and chat template, as serving does.
+`shapes` profile's size, and learns the drawn scenes of `scenes.py` from a fixed seed in under an
+hour on two CPU cores. Every example goes through the checkpoint's own processor and chat
+template, as serving does.
 """
 
 from __future__ import annotations
@@ -54,6 +54,8 @@ class Recipe:
     extreme_steps: int = 8000
     align_steps: int = 300
     batch: int = 32
+    # Stages 0 and 0b show the tower each scene ~40 times: with 12,000 (~85 times) it learnt them
+    # by heart, and the model placed shapes 90% right on new scenes; with 24,000, 96%.
     scenes: int = 24000
     # Each scene is drawn in one random look (looks.py) with shapes this big (a range, of the
     # canvas's longer side): trained on one look and size, it saw 70-76% right elsewhere.
@@ -140,6 +142,7 @@ def train(out: str | Path = SHIPPED, recipe: Recipe = Recipe(), *, overwrite: bo
     from tqdm import tqdm
     from transformers import GenerationConfig
 
+    started = time.monotonic()  # the README states the whole run's time
     torch.manual_seed(recipe.seed)
     rng = random.Random(recipe.seed)
     spec = PROFILES[PROFILE]
@@ -179,7 +182,6 @@ def train(out: str | Path = SHIPPED, recipe: Recipe = Recipe(), *, overwrite: bo
 
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, rate)
     model.train()
-    started = time.monotonic()
     bar = tqdm(range(recipe.steps), desc="training")
     for step in bar:
         aligning = step < recipe.align_steps
