@@ -20,6 +20,7 @@ import pytest
 from PIL import Image
 
 from llava.api.headers import SESSION_HEADER
+from llava.tools.tiny.scenes import Shape
 
 
 def make_image(seed: int, size: tuple[int, int] = (48, 40)) -> Image.Image:
@@ -415,7 +416,7 @@ def step_all(engine: Any, turns: list[Any]) -> None:
         engine.finish_turn(turn)
 
 
-def centre_colour(image: Image.Image, shape: Any) -> tuple[int, int, int]:
+def centre_colour(image: Image.Image, shape: Shape) -> tuple[int, int, int]:
     """Return the pixel at a point inside a drawn shape (a triangle's lower middle)."""
     y = shape.y + (shape.size / 6 if shape.kind == "triangle" else 0)
     return image.getpixel((int(shape.x), int(y)))  # type: ignore[return-value]

@@ -15,7 +15,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from llava.tools.tiny.scenes import Scene
+from llava.tools.tiny.scenes import COLOURS, Scene, file_bytes, paint
 
 # Each colour name as a range of hue (degrees; red wraps round 0), saturation and value: the
 # shades a person would still call by that name.
@@ -49,7 +49,7 @@ class Look:
     background: tuple[int, int, int]
     gradient: tuple[int, int, int]  # added across the canvas, top-left to bottom-right
     blur: float  # Gaussian radius, pixels
-    noise: float  # Gaussian sigma, levels
+    noise: float  # Gaussian sigma, levels (the field is seeded by the canvas's size)
     fmt: str  # PNG or JPEG
     quality: int
 
@@ -57,17 +57,15 @@ class Look:
 def random_look(scene: Scene, rng: random.Random) -> Look:
     """Return a random look for a scene: one in four is the scene's own plain drawing."""
     if rng.random() < 0.25:
-        from llava.tools.tiny.scenes import COLOURS
-
         fills = tuple(COLOURS[s.colour] for s in scene.shapes)
         return Look(1, fills, scene.background, (0, 0, 0), 0.0, 0.0, "PNG", 95)
     level = rng.randint(0, 70) if scene.dark else rng.randint(190, 255)
-    tint = tuple(min(255, max(0, level + rng.randint(-14, 14))) for _ in range(3))
+    r, g, b = (min(255, max(0, level + rng.randint(-14, 14))) for _ in range(3))
     span = rng.randint(-30, 30) if rng.random() < 0.4 else 0
     return Look(
         supersample=rng.choice((1, 2, 3, 4)),
         fills=tuple(shade(s.colour, rng) for s in scene.shapes),
-        background=tint,  # type: ignore[arg-type]
+        background=(r, g, b),
         gradient=(span, span, span),
         blur=rng.uniform(0.3, 1.2) if rng.random() < 0.25 else 0.0,
         noise=rng.uniform(1.0, 6.0) if rng.random() < 0.25 else 0.0,
@@ -79,20 +77,11 @@ def random_look(scene: Scene, rng: random.Random) -> Look:
 def render(scene: Scene, look: Look) -> bytes:
     """Return the scene's file bytes, rendered in ``look``."""
     import numpy as np
-    from PIL import Image, ImageDraw, ImageFilter
+    from PIL import Image, ImageFilter
 
     k = look.supersample
     canvas = Image.new("RGB", (scene.width * k, scene.height * k), look.background)
-    pen = ImageDraw.Draw(canvas)
-    for shape, fill in zip(scene.shapes, look.fills, strict=True):
-        x, y, half = shape.x * k, shape.y * k, shape.size * k / 2
-        box = (x - half, y - half, x + half, y + half)
-        if shape.kind == "circle":
-            pen.ellipse(box, fill=fill)
-        elif shape.kind == "square":
-            pen.rectangle(box, fill=fill)
-        else:
-            pen.polygon([(x, box[1]), (box[2], box[3]), (box[0], box[3])], fill=fill)
+    paint(canvas, scene.shapes, look.fills, k)
     if k > 1:
         canvas = canvas.resize((scene.width, scene.height), Image.Resampling.LANCZOS)
     if look.blur:
@@ -106,9 +95,7 @@ def render(scene: Scene, look: Look) -> bytes:
                 0, look.noise, pixels.shape
             )
         canvas = Image.fromarray(pixels.clip(0, 255).astype(np.uint8))
-    out = io.BytesIO()
-    canvas.save(out, format=look.fmt, **({"quality": look.quality} if look.fmt == "JPEG" else {}))
-    return out.getvalue()
+    return file_bytes(canvas, look.fmt, look.quality)
 
 
 def decoded(data: bytes) -> Any:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,27 +72,39 @@ class Scene:
 
     def draw(self) -> Any:
         """Return the scene as a PIL RGB image."""
-        from PIL import Image, ImageDraw
+        from PIL import Image
 
         image = Image.new("RGB", (self.width, self.height), self.background)
-        pen = ImageDraw.Draw(image)
-        for shape in self.shapes:
-            half = shape.size / 2
-            box = (shape.x - half, shape.y - half, shape.x + half, shape.y + half)
-            fill = COLOURS[shape.colour]
-            if shape.kind == "circle":
-                pen.ellipse(box, fill=fill)
-            elif shape.kind == "square":
-                pen.rectangle(box, fill=fill)
-            else:
-                pen.polygon([(shape.x, box[1]), (box[2], box[3]), (box[0], box[3])], fill=fill)
+        paint(image, self.shapes, [COLOURS[shape.colour] for shape in self.shapes])
         return image
 
     def encode(self, fmt: str = "PNG", quality: int = 90) -> bytes:
         """Return the scene as PNG or JPEG file bytes."""
-        out = io.BytesIO()
-        self.draw().save(out, format=fmt, **({"quality": quality} if fmt == "JPEG" else {}))
-        return out.getvalue()
+        return file_bytes(self.draw(), fmt, quality)
+
+
+def paint(image: Any, shapes: Sequence[Shape], fills: Sequence[Any], scale: int = 1) -> None:
+    """Draw each shape, hard-edged, in its fill onto ``image``, whose canvas is ``scale`` times
+    the scene's (the one drawing both the plain scene and every training look use)."""
+    from PIL import ImageDraw
+
+    pen = ImageDraw.Draw(image)
+    for shape, fill in zip(shapes, fills, strict=True):
+        x, y, half = shape.x * scale, shape.y * scale, shape.size * scale / 2
+        box = (x - half, y - half, x + half, y + half)
+        if shape.kind == "circle":
+            pen.ellipse(box, fill=fill)
+        elif shape.kind == "square":
+            pen.rectangle(box, fill=fill)
+        else:
+            pen.polygon([(x, box[1]), (box[2], box[3]), (box[0], box[3])], fill=fill)
+
+
+def file_bytes(image: Any, fmt: str, quality: int) -> bytes:
+    """Return a picture as PNG or JPEG file bytes."""
+    out = io.BytesIO()
+    image.save(out, format=fmt, **({"quality": quality} if fmt == "JPEG" else {}))
+    return out.getvalue()
 
 
 def draw_scene(
@@ -184,7 +197,7 @@ class Turn:
 
     question: str
     answer: str
-    kind: str  # colour, shape, count, position, exists, follow-up, describe
+    kind: str  # colour, shape, count, position, exists, follow-up, describe, no-picture
 
 
 def colour_answer(scene: Scene, kind: str) -> str:

@@ -60,8 +60,9 @@ class Recipe:
     # Each scene is drawn in one random look (looks.py) with shapes this big (a range, of the
     # canvas's longer side): trained on one look and size, it saw 70-76% right elsewhere.
     sizes: tuple[float, float] = (0.12, 0.32)
-    # The share of steps whose batch has no picture (chatter.py: chat clients send those too),
-    # in batches of their own: a long request (Open WebUI's title prompt) pads a whole batch.
+    # The share of steps after aligning whose batch has no picture (chatter.py: chat clients
+    # send those too), in batches of their own: a long request (Open WebUI's title prompt) pads
+    # a whole batch.
     text_only: float = 0.05
     text_batch: int = 16
     # 1e-3 learnt colours but not to read the side flags (positions 65%); 5e-4 learns both.
@@ -96,15 +97,15 @@ def encode(
     turns: Sequence[Turn],
     system: str | None,
     image_tokens: int,
-    picture: bool = True,
 ) -> tuple[list[int], list[int]]:
-    """Return a dialogue's token ids and labels: every answer's tokens, the last one then EOS.
+    """Return a dialogue's token ids and labels: every answer's tokens, the last one then EOS
+    (``image_tokens`` 0: a dialogue with no picture).
 
     The text is the chat template's rendering with the image placeholder expanded, exactly the
     ids serving feeds; the token after an earlier answer (the next "USER") is not a target, so the
     model learns to end an answer with EOS."""
     tokenizer = processor.tokenizer
-    text = processor.apply_chat_template(messages(turns, system, picture), tokenize=False)
+    text = processor.apply_chat_template(messages(turns, system, image_tokens > 0), tokenize=False)
     image = processor.image_token
     text = text.replace(image, image * image_tokens, 1)
     spans, start = [], 0
@@ -189,7 +190,7 @@ def train(out: str | Path = SHIPPED, recipe: Recipe = Recipe(), *, overwrite: bo
         if not aligning and rng.random() < recipe.text_only:
             for _ in range(recipe.text_batch):
                 talk = text_dialogue(rng, rng.randint(1, 2))
-                rows.append(encode(processor, talk, _system(rng), 0, False))
+                rows.append(encode(processor, talk, _system(rng), 0))
         for _ in range(0 if rows else recipe.batch):
             chosen.append(rng.randrange(len(scenes)))
             scene = scenes[chosen[-1]]
@@ -232,7 +233,7 @@ def train(out: str | Path = SHIPPED, recipe: Recipe = Recipe(), *, overwrite: bo
 
 
 def _system(rng: random.Random) -> str | None:
-    """Return a system prompt for one dialogue in seven, as clients sometimes send one."""
+    """Return a system prompt for about one dialogue in seven, as clients sometimes send one."""
     return rng.choice(SYSTEM_PROMPTS) if rng.random() < 0.15 else None
 
 
