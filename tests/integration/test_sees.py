@@ -220,8 +220,9 @@ def test_text_without_a_picture_gets_the_one_true_reply(shapes_server: TorchServ
     for chat in chats:
         # No max_tokens, as chat clients send it: the reply ends by itself, at EOS.
         reply = client.chat.completions.create(model="llava", messages=chat)  # type: ignore[arg-type]
-        assert reply.choices[0].finish_reason == "stop", chat[-1]["content"][:40]
-        assert reply.choices[0].message.content == REPLY, chat[-1]["content"][:40]
+        said = (chat[-1]["content"][:40], reply.choices[0].finish_reason, reply.choices[0].message)
+        assert reply.choices[0].finish_reason == "stop", said
+        assert reply.choices[0].message.content == REPLY, said
 
 
 def test_the_quickstart_answers_truly_about_the_sample(shapes_server: TorchServe) -> None:
