@@ -117,11 +117,12 @@ def test_a_killed_replica_loses_no_other_replicas_sessions_and_its_own_come_back
     ray_front: RayServe, reference: Reference
 ) -> None:
     url = ray_front.url("/invocations")
-    # Opens go where the fewest bytes are, which depends on what earlier tests left open:
+    # Opens go where the fewest bytes are, which depends on what earlier tests left open (a
+    # replica holding their larger pictures took 12 opens once before the other's turn came):
     # open until each replica holds one of this test's sessions.
     runs: list[tuple[str, list[dict[str, Any]]]] = []
     while {rank(sid) for sid, _ in runs} != {"r0", "r1"}:
-        assert len(runs) < 12, f"12 opens all went to {runs[0][0]}'s replica"
+        assert len(runs) < 40, f"40 opens all went to {runs[0][0]}'s replica"
         runs.append(converse(url, 200 + len(runs), PROMPTS[:1]))
     pids = ray_front.replica_pids()
     assert len(pids) == 2
