@@ -218,8 +218,13 @@ def test_text_without_a_picture_gets_the_one_true_reply(shapes_server: TorchServ
         ],
     ]
     for chat in chats:
-        # No max_tokens, as chat clients send it: the reply ends by itself, at EOS.
-        reply = client.chat.completions.create(model="llava", messages=chat)  # type: ignore[arg-type]
+        # No max_tokens, as chat clients send it: the reply ends by itself, at EOS. Greedy,
+        # since OpenAI's default temperature (1) samples, and one token in a thousand differs.
+        reply = client.chat.completions.create(
+            model="llava",
+            messages=chat,  # type: ignore[arg-type]
+            temperature=0,
+        )
         said = (chat[-1]["content"][:40], reply.choices[0].finish_reason, reply.choices[0].message)
         assert reply.choices[0].finish_reason == "stop", said
         assert reply.choices[0].message.content == REPLY, said
@@ -249,7 +254,10 @@ def test_openai_chat_completions_answer_truly(shapes_server: TorchServe) -> None
         base_url=shapes_server.url("/predictions/llava/1.0/v1"), api_key="unused", max_retries=0
     )
     reply = client.chat.completions.create(
-        model="llava", messages=[{"role": "user", "content": content}], max_tokens=MAX_NEW_TOKENS
+        model="llava",
+        messages=[{"role": "user", "content": content}],
+        max_tokens=MAX_NEW_TOKENS,
+        temperature=0,
     )
     assert reply.choices[0].message.content == shape_answer(SAMPLE, "blue")
 
