@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import time
 from collections.abc import Sequence
@@ -28,7 +27,7 @@ from llava.tools.tiny.looks import decoded, random_look, render
 from llava.tools.tiny.profiles import PROFILES
 from llava.tools.tiny.scenes import Scene, Turn, describe, dialogue, draw_scene
 from llava.tools.tiny.tokenizers import CORPUS, train_llama_tokenizer
-from llava.tools.tiny.vision import pretrain_tower
+from llava.tools.tiny.vision import cosine, pretrain_tower
 
 SHIPPED = CHECKOUT / "models" / "shapes"  # the committed checkpoint `make serve` serves
 PROFILE = "shapes"
@@ -179,7 +178,7 @@ def train(out: str | Path = SHIPPED, recipe: Recipe = Recipe(), *, overwrite: bo
         if step < recipe.warmup:
             return (step + 1) / recipe.warmup
         done = (step - recipe.warmup) / max(1, recipe.steps - recipe.warmup)
-        return 0.5 * (1 + math.cos(math.pi * done))
+        return cosine(done)
 
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, rate)
     model.train()

@@ -20,6 +20,11 @@ COLOUR_IDS = {name: i + 1 for i, name in enumerate(COLOURS)}  # 0: no shape cent
 KIND_IDS = {name: i + 1 for i, name in enumerate(SHAPES)}
 
 
+def cosine(done: float) -> float:
+    """The learning-rate factor once a fraction `done` of a decay has passed: 1 down to 0."""
+    return 0.5 * (1 + math.cos(math.pi * done))
+
+
 def patch_of(shape: Shape, scene: Scene, image_size: int, patch: int) -> int:
     """Return the patch (row-major) a shape's centre falls in, in the geometry of llava-1.5's
     preprocessing: padded to a centred square, then resized."""
@@ -135,7 +140,7 @@ def pretrain_tower(
     # constant rate one run ended finding the extreme patch 96% of the time (loss 0.19), and
     # the model answered "which shape is on the left?" 54-61% right.
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * step / extreme_steps))
+        optimizer, lambda step: cosine(step / extreme_steps)
     )
     bar = tqdm(range(extreme_steps), desc="stage 0b: where")
     for _ in bar:
