@@ -1,5 +1,6 @@
 """The gauges a front reads after every step: what is costly to read (vLLM's own figures, a walk
-of its Prometheus registry) is read at most once a second, and only changed readings come back."""
+of its Prometheus registry) is read at most once a second and when the instance falls idle, and
+only changed readings come back."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def vllm_instance(stats: EngineFigures) -> Any:
     store = SimpleNamespace(version=0, snapshot=list)
     memory = SimpleNamespace(tiers=lambda sessions: {})
     return SimpleNamespace(
-        service=SimpleNamespace(store=store),
+        service=SimpleNamespace(store=store, in_flight=1),
         memory=memory,
         decoder=None,
         snapshots=None,
@@ -36,6 +37,7 @@ def vllm_instance(stats: EngineFigures) -> Any:
 
 
 def engine_readings(gauges: Gauges) -> dict[str, int]:
+    """What one read of the gauges published of the engine's figures, by stat."""
     return {r.dimension[1]: r.value for r in gauges.changed() if r.name == "LlavaEngine"}
 
 
@@ -53,4 +55,19 @@ def test_the_engines_figures_are_read_once_a_second_however_many_steps() -> None
     assert engine_readings(gauges) == {"prefix_cache_hits": 64}
     assert stats.reads == 2
     assert engine_readings(gauges) == {}
+    assert stats.reads == 2
+
+
+def test_the_last_step_before_idle_publishes_the_engines_final_figures() -> None:
+    """No step follows the last one of a burst, so that one reads, within the second or not."""
+    now = [100.0]
+    stats = EngineFigures()
+    instance = vllm_instance(stats)
+    gauges = Gauges(instance, clock=lambda: now[0])
+    engine_readings(gauges)
+    stats.figures |= {"requests_running": 0, "prefix_cache_hits": 32}
+    now[0] += ENGINE_FIGURES_EVERY_S / 10
+    assert engine_readings(gauges) == {}  # still answering: held back
+    instance.service.in_flight = 0  # the answer's last step
+    assert engine_readings(gauges) == {"requests_running": 0, "prefix_cache_hits": 32}
     assert stats.reads == 2
