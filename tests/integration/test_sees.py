@@ -219,7 +219,7 @@ def test_text_without_a_picture_gets_the_one_true_reply(shapes_server: TorchServ
     ]
     for chat in chats:
         # No max_tokens, as chat clients send it: the reply ends by itself, at EOS. Greedy,
-        # since OpenAI's default temperature (1) samples, and one token in a thousand differs.
+        # since OpenAI's default temperature (1) samples, and a word may then stray.
         reply = client.chat.completions.create(
             model="llava",
             messages=chat,  # type: ignore[arg-type]
