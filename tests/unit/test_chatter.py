@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from llava.tools.tiny.chatter import GREETINGS, REPLY, text_dialogue
+from llava.tools.tiny.chatter import GREETINGS, REPLY, TASKS, corpus, text_dialogue
 
 
 def test_text_without_a_picture_is_answered_with_the_reply() -> None:
@@ -16,3 +16,6 @@ def test_text_without_a_picture_is_answered_with_the_reply() -> None:
     assert asked & set(GREETINGS)
     # and questions about a picture that is not there, in the words asked with one
     assert any(not q.startswith("### Task") and q not in GREETINGS for q in asked)
+    assert any(q.endswith("?") and "shape" in q for q in asked)
+    # the tokenizer is trained on what the model must say and read
+    assert all(task in corpus() for task in TASKS) and REPLY in corpus()
