@@ -23,6 +23,8 @@ ARG BASE_IMAGE=763104351884.dkr.ecr.${REGION}.amazonaws.com/ray:serve-ml-sagemak
 # extra pins 0.12.0).
 FROM ${BASE_IMAGE} AS ready-ping
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+# The JDK from the base's own package manager, unpinned as the Java below (the distribution's
+# patches are the point); it never reaches the image.
 # hadolint ignore=DL3008,DL3041
 RUN if command -v dnf >/dev/null; then dnf install -y java-17-amazon-corretto-devel && dnf clean all; \
     else apt-get update \
@@ -35,7 +37,8 @@ RUN python -m pip download --no-deps --no-cache-dir -d /tmp/ts torchserve==0.12.
  && javac --release 17 -cp /tmp/ts/wheel/ts/frontend/model-server.jar -d /out/classes /src/ReadyPing.java \
  && mkdir -p /out/classes/META-INF/services \
  && echo llava.sessions.ReadyPing > /out/classes/META-INF/services/org.pytorch.serve.servingsdk.ModelServerEndpoint \
- && cd /out/classes && python -m zipfile -c /out/llava-ready-ping.jar META-INF llava
+ && python -c "import shutil; shutil.make_archive('/out/llava-ready-ping', 'zip', '/out/classes')" \
+ && mv /out/llava-ready-ping.zip /out/llava-ready-ping.jar
 
 FROM ${BASE_IMAGE}
 
@@ -104,9 +107,12 @@ COPY docker/vllm-cpu/mend.sh docker/vllm-cpu/llava_kit_no_torchvision.py /opt/ll
 # README.md is pyproject's readme (the wheel's long description); the trailing * lets the build go
 # on without it, as setuptools only warns when it is missing.
 COPY pyproject.toml README.md* /tmp/llava-sessions-src/
+# The dependencies first, from pyproject.toml alone (over an empty package), so that a change to
+# the kit's code rebuilds only the small layer after them.
+RUN mkdir /tmp/llava-sessions-src/llava && touch /tmp/llava-sessions-src/llava/__init__.py \
+ && /opt/llava-sessions/install_kit.sh deps torchserve "${ENGINE}" "${VLLM_BUILD}" /tmp/llava-sessions-src
 COPY llava/ /tmp/llava-sessions-src/llava/
-RUN /opt/llava-sessions/install_kit.sh torchserve "${ENGINE}" "${VLLM_BUILD}" /tmp/llava-sessions-src \
- && rm -rf /tmp/llava-sessions-src
+RUN /opt/llava-sessions/install_kit.sh code /tmp/llava-sessions-src && rm -rf /tmp/llava-sessions-src
 
 # --- TorchServe and kit settings ----------------------------------------------------------------
 # docker/torchserve/sagemaker-ts.properties sets enable_envvars_config=true, so TorchServe reads
@@ -120,8 +126,9 @@ RUN /opt/llava-sessions/install_kit.sh torchserve "${ENGINE}" "${VLLM_BUILD}" /t
 #     enforced at the router.
 #   TS_DEFAULT_STARTUP_TIMEOUT: seconds a worker may spend loading the model (default 120) - too
 #     short for reading LLaVA's weights from disk onto the GPU.
-#   TS_MAX_REQUEST_SIZE / TS_MAX_RESPONSE_SIZE: SageMaker's 6 MiB body limit, so that the container
-#     accepts everything the endpoint can deliver, and a local run rejects what SageMaker would.
+#   TS_MAX_REQUEST_SIZE: 16 MiB, above SageMaker's 6 MiB body limit, which the kit enforces itself
+#     (a local run rejects what SageMaker would, with a JSON 413 that names the limit; TorchServe's
+#     own 413, past 16 MiB, has no body). TS_MAX_RESPONSE_SIZE: SageMaker's 6 MiB.
 #   LLAVA_SESSION_TTL_S: idle seconds before a session expires (1200 s, as AWS containers use);
 #     every handler setting of model-config.yaml has such an LLAVA_<NAME> override.
 # The kit's session gauges (sessions and bytes per memory tier) next to TorchServe's own metrics.
@@ -132,7 +139,7 @@ COPY docker/torchserve/sagemaker-ts.properties /opt/llava-sessions/sagemaker-ts.
 ENV TS_DEFAULT_RESPONSE_TIMEOUT=300 \
     TS_METRICS_CONFIG=/opt/llava-sessions/metrics.yaml \
     TS_DEFAULT_STARTUP_TIMEOUT=600 \
-    TS_MAX_REQUEST_SIZE=6291456 \
+    TS_MAX_REQUEST_SIZE=16777216 \
     TS_MAX_RESPONSE_SIZE=6291456 \
     LLAVA_SESSION_TTL_S=1200 \
     PIP_CONSTRAINT=/opt/llava-sessions/constraints.txt \

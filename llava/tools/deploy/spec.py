@@ -14,6 +14,9 @@ ROLE_ARN_RE = re.compile(r"^arn:aws[a-z\-]*:iam::\d{12}:role/?[a-zA-Z_0-9+=,.@\-
 ENV_KEY_RE = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 VARIANT = "AllTraffic"
 SAGEMAKER_BODY_LIMIT = 6 * 1024 * 1024
+# TorchServe's own request limit, above SageMaker's: a body between the two reaches the kit, which
+# refuses it with a JSON 413 naming the limit (TorchServe's own 413 has no body).
+TORCHSERVE_REQUEST_LIMIT = 16 * 1024 * 1024
 # Seconds TorchServe waits for one handler message before restarting the worker (which loses
 # every session in it). The Dockerfile sets the same; repeating it in the model's Environment
 # keeps a deployment correct on an image built without it. model-config.yaml's per-model
@@ -145,8 +148,9 @@ class DeploySpec:
             "SAGEMAKER_MODEL_SERVER_WORKERS": "1",
             "SAGEMAKER_MODEL_SERVER_TIMEOUT": str(TS_RESPONSE_TIMEOUT_S),
             "TS_DEFAULT_RESPONSE_TIMEOUT": str(TS_RESPONSE_TIMEOUT_S),
-            # SageMaker's 6 MiB body limit (TorchServe's default is slightly smaller).
-            "TS_MAX_REQUEST_SIZE": str(SAGEMAKER_BODY_LIMIT),
+            # Above SageMaker's 6 MiB body limit, which the kit enforces itself with a JSON 413
+            # (TorchServe's default is slightly smaller, and its 413 has no body).
+            "TS_MAX_REQUEST_SIZE": str(TORCHSERVE_REQUEST_LIMIT),
             "TS_MAX_RESPONSE_SIZE": str(SAGEMAKER_BODY_LIMIT),
             "LLAVA_SESSION_TTL_S": _env_value(self.session_ttl_s),
         }
