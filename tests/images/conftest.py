@@ -25,7 +25,9 @@ def docker_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
         yield
         return
     if shutil.which("dockerd") is None and not os.environ.get("CI"):
-        pytest.skip("no Docker here: apt-get install docker.io (.ci/run does), then make test-images")
+        pytest.skip(
+            "no Docker here: apt-get install docker.io (.ci/run does), then make test-images"
+        )
     process = start_daemon(tmp_path_factory.mktemp("dockerd") / "dockerd.log")
     yield
     process.terminate()
@@ -47,7 +49,9 @@ def images(docker_daemon: None, request: pytest.FixtureRequest) -> Iterator[Call
     yield get
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
     for (front, engine), (tag, seconds) in built.items():
-        line = f"image {front}/{engine}: built in {seconds:.0f} s, {image_size(tag) / 2**30:.2f} GiB"
+        line = (
+            f"image {front}/{engine}: built in {seconds:.0f} s, {image_size(tag) / 2**30:.2f} GiB"
+        )
         if reporter is not None:
             reporter.write_line(line)
 

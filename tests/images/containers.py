@@ -27,6 +27,10 @@ IMAGES = [
     ("ray", "transformers"),
     ("ray", "vllm"),
 ]
+# vLLM's CPU build always runs its multiprocess executor, whose shared-memory queues take 400
+# MiB of /dev/shm (240 MiB of it fixed in vLLM 0.32); Docker gives a container 64 MiB. Its GPU
+# wheel at one GPU per engine runs the executor inside the engine core and needs none.
+VLLM_CPU_SHM = "1g"
 # What a SageMaker model's Environment would set for vLLM on this CPU machine: the test
 # checkpoints' settings (eager, float32, a context of 1,024) and a 1 GiB KV cache.
 VLLM_CPU_ENV = {
@@ -136,9 +140,17 @@ class Container:
     """One container run as SageMaker runs it: `docker run IMAGE serve` on `--network none`,
     the model data mounted read-only at /opt/ml/model, no AWS variables."""
 
-    def __init__(self, image: str, model: Path, name: str, env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        image: str,
+        model: Path,
+        name: str,
+        env: dict[str, str] | None = None,
+        shm_size: str | None = None,
+    ):
         self.image, self.model, self.name = image, model, name
         self.env = env or {}
+        self.shm = ["--shm-size", shm_size] if shm_size else []
         self.relay: Relay | None = None
 
     def start(self) -> Container:
@@ -153,6 +165,7 @@ class Container:
             "none",
             "--volume",
             f"{self.model}:/opt/ml/model:ro",
+            *self.shm,
             *flags,
             self.image,
             "serve",

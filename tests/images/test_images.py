@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-import os
 import threading
 import time
 import uuid
@@ -21,7 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
-from containers import IMAGES, VLLM_CPU_ENV, Container, docker
+from containers import IMAGES, VLLM_CPU_ENV, VLLM_CPU_SHM, Container, docker
 from PIL import Image, PngImagePlugin
 
 from llava.api.headers import CLOSED_SESSION_HEADER, NEW_SESSION, NEW_SESSION_HEADER
@@ -52,6 +51,10 @@ class Served:
 
 def _env(engine: str, **more: str) -> dict[str, str]:
     return {**(VLLM_CPU_ENV if engine == "vllm" else {}), **more}
+
+
+def _shm(engine: str) -> str | None:
+    return VLLM_CPU_SHM if engine == "vllm" else None
 
 
 def _call(
@@ -101,7 +104,7 @@ def served(
     front, engine = request.param
     tag = images(front, engine)
     container = Container(
-        tag, model_data[front, "prefix"], f"llava-test-{front}-{engine}", _env(engine)
+        tag, model_data[front, "prefix"], f"llava-test-{front}-{engine}", _env(engine), _shm(engine)
     )
     served = Served(front, engine, tag, container.start())
     try:
@@ -153,22 +156,42 @@ def test_a_streamed_answer_arrives_in_lines_that_make_the_whole(served: Served) 
     assert lines[-1]["finish_reason"] == "stop"
 
 
-def _busy(url: str, sid: str, done: threading.Event) -> None:
-    """A long sampled answer (temperature 2 seldom picks the end token)."""
+@dataclass
+class Streamed:
+    lines: list[dict[str, Any]] = field(default_factory=list)
+    last_at: float = 0.0  # time.monotonic() of the last line
+
+
+def _stream(url: str, sid: str, started: threading.Event, out: Streamed) -> None:
+    """Stream an answer, keeping its lines and when the last one came."""
     body = {"type": "query", "prompt": QUESTION, "temperature": 2.0, "seed": 1, "stream": True}
-    body["max_new_tokens"] = 700
-    with (
-        httpx.Client(timeout=300) as client,
-        client.stream(
-            "POST",
-            url,
-            content=json.dumps(body),
-            headers={"Content-Type": "application/json", SID: sid},
-        ) as response,
-    ):
-        for _ in response.iter_lines():
-            pass
-    done.set()
+    body["max_new_tokens"] = 900
+    try:
+        with (
+            httpx.Client(timeout=300) as client,
+            client.stream(
+                "POST",
+                url,
+                content=json.dumps(body),
+                headers={"Content-Type": "application/json", SID: sid},
+            ) as response,
+        ):
+            for line in response.iter_lines():
+                if line:
+                    out.lines.append(json.loads(line))
+                    out.last_at = time.monotonic()
+                started.set()
+    finally:
+        started.set()
+
+
+def _keep_busy(url: str, sid: str, stop: threading.Event, answered: list[int]) -> None:
+    """Ask sampled questions back to back until told to stop; count the answers."""
+    body = {"type": "query", "prompt": QUESTION, "temperature": 2.0, "max_new_tokens": 900}
+    with httpx.Client(timeout=300) as client:
+        while not stop.is_set():
+            if _call(client, url, body, sid).status_code == 200:
+                answered.append(1)
 
 
 def test_ping_answers_within_2_s_while_invocations_are_busy(served: Served) -> None:
@@ -176,27 +199,35 @@ def test_ping_answers_within_2_s_while_invocations_are_busy(served: Served) -> N
     with httpx.Client(timeout=120) as client:
         sids = [
             _call(client, url, {"type": "open_session", "image": PICTURE}).json()["session_id"]
-            for _ in range(4)
+            for _ in range(8)
         ]
-        done = [threading.Event() for _ in sids]
+        stop, answered = threading.Event(), []
         workers = [
-            threading.Thread(target=_busy, args=(url, sid, flag), daemon=True)
-            for sid, flag in zip(sids, done)
+            threading.Thread(target=_keep_busy, args=(url, sid, stop, answered), daemon=True)
+            for sid in sids
         ]
         for worker in workers:
             worker.start()
         pings = []
-        for _ in range(10):
-            started = time.monotonic()
-            status = client.get(served.container.url + "/ping", timeout=5).status_code
-            pings.append((status, time.monotonic() - started))
-        busy_throughout = not any(flag.is_set() for flag in done)
-        for worker in workers:
-            worker.join(300)
+        try:
+            deadline = time.monotonic() + 120
+            while len(answered) < 8:  # the load is on
+                assert time.monotonic() < deadline, "the questions were not answered"
+                time.sleep(0.05)
+            before = len(answered)
+            for _ in range(10):
+                sent = time.monotonic()
+                status = client.get(served.container.url + "/ping", timeout=5).status_code
+                pings.append((status, time.monotonic() - sent))
+            during = len(answered) - before
+        finally:
+            stop.set()
+            for worker in workers:
+                worker.join(300)
         for sid in sids:
             _call(client, url, {"type": "close_session"}, sid)
+    assert during > 0, "no answer was being made while the pings went"
     assert all(status == 200 and seconds < 2 for status, seconds in pings), pings
-    assert busy_throughout, "the answers ended before the pings: nothing was busy"
 
 
 def _picture_of_size(body_bytes: int) -> dict[str, Any]:
@@ -227,8 +258,9 @@ def test_a_6_mib_body_is_taken_and_a_larger_one_refused_cleanly(served: Served) 
         taken = _call(client, url, fits)
         assert taken.status_code == 200, taken.text[:300]
         sid = taken.json()["session_id"]
-        assert _call(client, url, {"type": "query", "prompt": QUESTION}, sid).json()["text"] == (
-            ANSWERS[0]
+        assert (
+            _call(client, url, {"type": "query", "prompt": QUESTION}, sid).json()["text"]
+            == (ANSWERS[0])
         )
         _call(client, url, {"type": "close_session"}, sid)
         refused = _call(client, url, _picture_of_size(6 * MiB + 4096))
@@ -241,7 +273,9 @@ def test_the_image_s_cli_works_in_the_image(served: Served) -> None:
     run = docker("exec", served.container.name, "python", "-m", "llava", "--help")
     assert "serve-ray" in run and "archive" in run
     command = "serve-ray" if served.front == "ray" else "archive"
-    assert "--model" in docker("exec", served.container.name, "python", "-m", "llava", command, "-h")
+    assert "--model" in docker(
+        "exec", served.container.name, "python", "-m", "llava", command, "-h"
+    )
 
 
 def test_no_aws_credentials_or_sdk_variables_reach_the_container(served: Served) -> None:
@@ -249,7 +283,9 @@ def test_no_aws_credentials_or_sdk_variables_reach_the_container(served: Served)
     leaked = [line.split("=")[0] for line in env if line.startswith(("AWS_", "SAGEMAKER_"))]
     assert leaked == []
     assert "ReadOnly" in docker(
-        "inspect", "-f", "{{range .Mounts}}{{if not .RW}}ReadOnly{{end}}{{end}}",
+        "inspect",
+        "-f",
+        "{{range .Mounts}}{{if not .RW}}ReadOnly{{end}}{{end}}",
         served.container.name,
     )
 
@@ -264,6 +300,7 @@ def test_a_model_tar_gz_serves_expires_sessions_and_drains_on_docker_stop(
         model_data[served.front, "tar.gz"],
         f"llava-test-{served.front}-{served.engine}-tgz",
         _env(served.engine, LLAVA_SESSION_TTL_S=str(TTL_S)),
+        _shm(served.engine),
     ).start()
     try:
         container.wait_healthy()
@@ -271,23 +308,36 @@ def test_a_model_tar_gz_serves_expires_sessions_and_drains_on_docker_stop(
         with httpx.Client(timeout=120) as client:
             opened = _call(client, url, {"type": "open_session", "image": PICTURE})
             sid = opened.json()["session_id"]
-            assert _call(client, url, {"type": "query", "prompt": QUESTION}, sid).json()[
-                "text"
-            ] == ANSWERS[0]
+            assert (
+                _call(client, url, {"type": "query", "prompt": QUESTION}, sid).json()["text"]
+                == ANSWERS[0]
+            )
             time.sleep(TTL_S + 1.5)  # the session's time to live: what is tested, not a sync
             expired = _call(client, url, {"type": "query", "prompt": FOLLOW_UP}, sid)
             assert 400 <= expired.status_code < 500, expired.text
-            sid = _call(client, url, {"type": "open_session", "image": PICTURE}).json()[
-                "session_id"
+        with httpx.Client(timeout=120) as client:
+            sids = [
+                _call(client, url, {"type": "open_session", "image": PICTURE}).json()["session_id"]
+                for _ in range(16)
             ]
-        done = threading.Event()
-        answer = threading.Thread(target=_busy, args=(url, sid, done), daemon=True)
-        answer.start()
+        started, streams = threading.Event(), [Streamed() for _ in sids]
+        threads = [
+            threading.Thread(target=_stream, args=(url, sid, started, out))
+            for sid, out in zip(sids, streams, strict=True)
+        ]
+        for thread in threads:
+            thread.start()
+        assert started.wait(120)
+        stopping = time.monotonic()
         code, seconds = container.stop(30)
-        answer.join(60)
+        for thread in threads:
+            thread.join(60)
         assert code == 0, container.logs()
         assert seconds < 30
-        assert done.is_set()  # the answer in flight ended, not cut by a kill
+        begun = [out for out in streams if any("text" in line for line in out.lines)]
+        cut = [out.lines[-1] for out in begun if not out.lines[-1].get("finish_reason")]
+        assert cut == []  # an answer begun is finished, however the stop came
+        assert max(out.last_at for out in begun) > stopping, "no answer was in flight"
     finally:
         container.remove()
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -57,38 +56,12 @@ def block_size(configured: int, on_cpu: bool) -> int | None:
     return 32 if on_cpu else None
 
 
-# vLLM's shared-memory message queues (scheduler outputs to the workers, their outputs back):
-# two of 10 chunks of VLLM_MQ_MAX_CHUNK_BYTES_MB (16 by default: 320 MiB of /dev/shm).
-QUEUE_CHUNKS = 2 * 10
-DEFAULT_CHUNK_MB = 16
-
-
-def queue_chunk_mb(shm_free_bytes: int) -> int | None:
-    """The chunk size (MiB) that fits vLLM's message queues into half the free /dev/shm, or None
-    where vLLM's default fits. A container started without --shm-size has 64 MiB, and vLLM's
-    multiprocess executor (always used on a CPU, and for tensor parallelism) then fails at
-    start; a message larger than a chunk goes over vLLM's socket instead."""
-    fits = shm_free_bytes // 2 // QUEUE_CHUNKS // 2**20
-    return None if fits >= DEFAULT_CHUNK_MB else max(1, int(fits))
-
-
-def fit_queues_to_shm(shm: Path = Path("/dev/shm")) -> None:
-    """Set VLLM_MQ_MAX_CHUNK_BYTES_MB to what /dev/shm holds, unless it is set already."""
-    if "VLLM_MQ_MAX_CHUNK_BYTES_MB" in os.environ or not shm.is_dir():
-        return
-    chunk = queue_chunk_mb(shutil.disk_usage(shm).free)
-    if chunk is not None:
-        log.info("/dev/shm is small: vLLM's message queues take %d MiB chunks", chunk)
-        os.environ["VLLM_MQ_MAX_CHUNK_BYTES_MB"] = str(chunk)
-
-
 def start_engine(model_dir: Path, config: ServerConfig) -> Any:
     """Start an `LLMEngine` (its engine core in its own process unless
     VLLM_ENABLE_V1_MULTIPROCESSING=0); raise what vLLM raises if it cannot."""
     from vllm.v1.engine.llm_engine import LLMEngine
 
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")  # the worker's logging stays its own
-    fit_queues_to_shm()
     log.info("starting vLLM's engine on %s", model_dir)
     llm = LLMEngine.from_engine_args(engine_args(model_dir, config))
     watch_engine_core(llm)

@@ -1,0 +1,63 @@
+"""The notebook user's path against the built image: notebooks/deploy_and_chat.ipynb run
+headless (nbclient), unmodified, its endpoint the local SageMaker runtime in front of two
+containers of the TorchServe image (as SageMaker runs them), the control plane and S3 on moto's
+server. The notebook's session calls are boto3's `invoke_endpoint` with `SessionId` under the
+kit's `SessionClient`: the client code users copy. Its answers are the engine's own pipeline's.
+
+Not the SageMaker Python SDK's local mode: the notebook deploys with boto3 and the kit's own
+`deploy` (as a real deployment does), and what its local mode would start is the same
+`docker run IMAGE serve` that these containers are."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from containers import VLLM_CPU_ENV, VLLM_CPU_SHM, Container
+from notebook_run import ENDPOINT, QUESTIONS, REGION, ROOT, TOKENS, check_notebook_run, run_notebook
+from oracles import pipeline_answers
+
+from llava.fronts.local_runtime.server import LocalRuntime
+from llava.tools.archive import build_archive
+from llava.tools.tiny.train import SHIPPED
+
+
+@pytest.fixture(scope="module")
+def moto_url() -> Iterator[str]:
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("engine", ["vllm", "transformers"])
+def test_the_notebook_deploys_and_chats_through_the_image(
+    engine: str, images: Any, moto_url: str, tmp_path: Path
+) -> None:
+    tag = images("torchserve", engine)
+    archive = Path(build_archive(SHIPPED, tmp_path / "model-data", name="model"))
+    env, shm = (VLLM_CPU_ENV, VLLM_CPU_SHM) if engine == "vllm" else ({}, None)
+    containers = [Container(tag, archive, f"llava-notebook-{engine}-{i}", env, shm) for i in (0, 1)]
+    try:
+        for container in containers:
+            container.start()
+        for container in containers:
+            container.wait_healthy()
+        urls = [c.url for c in containers]
+        with LocalRuntime(urls, name=ENDPOINT, region=REGION) as runtime:
+            result, text = run_notebook(moto_url, runtime.url, SHIPPED)
+            routes = dict(runtime.routes)
+        [expected] = pipeline_answers(
+            engine, SHIPPED, [ROOT / "examples" / "sample.png"], QUESTIONS, TOKENS
+        )
+        check_notebook_run(result, text, moto_url, expected, routes)
+    finally:
+        for container in containers:
+            container.remove()

@@ -1,0 +1,174 @@
+"""Sessions outlive containers: two containers of one image behind the local SageMaker runtime,
+their shared session store on moto's S3 server (each container reaches it on its own loopback,
+relayed: no network), an unmodified boto3 `invoke_endpoint` with `SessionId` under the kit's
+`SessionClient`. One container is killed mid-answer (`docker kill`); a fresh one starts and the
+other is stopped (`docker stop`: it drains and flushes; an update). Every conversation goes on,
+and each answer is the engine's own pipeline's over the whole conversation (transformers'
+`generate`, or vLLM's offline `generate` run from .venv-vllm), so no finished turn was lost."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+from containers import IMAGES, VLLM_CPU_ENV, VLLM_CPU_SHM, Container, docker
+from helpers import data_uri
+from oracles import pipeline_answers
+from relay import Relay, expose
+
+from llava.client import SessionClient
+from llava.fronts.local_runtime.server import LocalRuntime
+from llava.tools.tiny.scenes import draw_scene
+from llava.tools.tiny.train import SHIPPED
+
+BUCKET = "endpoint-sessions"
+STORE_PORT = 9000  # where each container finds the store on its own loopback
+PROMPTS = ["How many shapes are there?", "What colour is the circle?", "And the other one?"]
+TOKENS = 12
+CREDENTIALS = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
+
+
+@pytest.fixture(scope="module")
+def s3_port() -> Iterator[int]:
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    boto3.client(
+        "s3", endpoint_url=f"http://{host}:{port}", region_name="us-east-1", **CREDENTIALS
+    ).create_bucket(Bucket=BUCKET)
+    try:
+        yield int(port)
+    finally:
+        server.stop()
+
+
+def stored(s3_port: int) -> dict[str, str]:
+    """Session id -> ETag of every object in the store."""
+    client = boto3.client(
+        "s3", endpoint_url=f"http://127.0.0.1:{s3_port}", region_name="us-east-1", **CREDENTIALS
+    )
+    listing = client.list_objects_v2(Bucket=BUCKET).get("Contents", [])
+    return {Path(o["Key"]).stem: o["ETag"] for o in listing}
+
+
+def wait_for(condition: Any, what: str, timeout_s: float = 60) -> None:
+    """Poll what another process makes true (the store's writes land after the answers)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+class Instance:
+    """A container with the shared store's settings, reaching moto through its loopback."""
+
+    def __init__(self, tag: str, model: Path, name: str, engine: str, s3_port: int) -> None:
+        env = {
+            **(VLLM_CPU_ENV if engine == "vllm" else {}),
+            "LLAVA_SESSION_STORE": f"s3://{BUCKET}/llava-endpoint",
+            "LLAVA_SESSION_STORE_ENDPOINT": f"http://127.0.0.1:{STORE_PORT}",
+            "LLAVA_DRAIN_GRACE_S": "20",
+            # moto's dummy keys stand in for the instance role SageMaker lends a container
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
+        shm = VLLM_CPU_SHM if engine == "vllm" else None
+        self.container = Container(tag, model, name, env, shm).start()
+        pid = int(docker("inspect", "-f", "{{.State.Pid}}", name).strip())
+        self.store: Relay = expose(pid, STORE_PORT, ("127.0.0.1", s3_port))
+        self.container.wait_healthy()
+
+    def remove(self) -> None:
+        self.store.close()
+        self.container.remove()
+
+
+def _long_stream(session: Any, started: threading.Event, failed: list[BaseException]) -> None:
+    """A long sampled answer, read until the connection breaks."""
+    try:
+        for _ in session.stream("Tell me more.", max_new_tokens=700, temperature=2.0, seed=3):
+            started.set()
+    except Exception as error:  # the container is killed under it
+        failed.append(error)
+    finally:
+        started.set()
+
+
+@pytest.mark.parametrize(("front", "engine"), IMAGES, ids=[f"{f}-{e}" for f, e in IMAGES])
+def test_conversations_survive_a_killed_and_a_replaced_container(
+    front: str,
+    engine: str,
+    images: Any,
+    model_data: dict[tuple[str, str], Path],
+    s3_port: int,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    tag = images(front, engine)
+    model = model_data[front, "prefix"]
+    name = f"llava-durable-{front}-{engine}"
+    instances: list[Instance] = []
+    try:
+        instances += [Instance(tag, model, f"{name}-{i}", engine, s3_port) for i in (0, 1)]
+        pictures = []
+        for i in range(4):
+            picture = draw_scene(random.Random(900 + i), count=2).draw()
+            pictures.append(tmp_path / f"scene-{i}.png")
+            picture.save(pictures[-1])
+        with LocalRuntime([i.container.url for i in instances], name="llava") as runtime:
+            monkeypatch.setenv("AWS_ENDPOINT_URL_SAGEMAKER_RUNTIME", runtime.url)
+            for key, value in {**CREDENTIALS, "region_name": "us-east-1"}.items():
+                env = {"region_name": "AWS_DEFAULT_REGION"}.get(key, key.upper())
+                monkeypatch.setenv(env, value)
+            monkeypatch.delenv("AWS_PROFILE", raising=False)
+            client = SessionClient.for_endpoint("llava")
+            from PIL import Image
+
+            sessions = [client.session(image=data_uri(Image.open(p))) for p in pictures]
+            said: list[list[str]] = [[] for _ in sessions]
+
+            def turn(n: int) -> None:
+                before = stored(s3_port)
+                for mine, session in zip(said, sessions, strict=True):
+                    mine.append(session.ask(PROMPTS[n], max_new_tokens=TOKENS).text)
+                wait_for(
+                    lambda: all(stored(s3_port).get(s.id) != before.get(s.id) for s in sessions),
+                    f"turn {n} in the store",
+                )
+
+            turn(0)
+            assert sorted(set(runtime.routes.values())) == [0, 1]  # both instances hold some
+            # docker kill, mid-answer: that answer is lost, never half-committed
+            victim = next(s for s in sessions if runtime.routes[s.id] == 1)
+            started, failed = threading.Event(), []
+            streamer = threading.Thread(target=_long_stream, args=(victim, started, failed))
+            streamer.start()
+            assert started.wait(120)
+            docker("kill", instances[1].container.name)
+            streamer.join(120)
+            assert failed, "the answer finished before the kill: nothing was cut"
+            turn(1)  # the killed container's conversations resume on the other
+            assert set(runtime.routes.values()) == {0}
+            # an update: a fresh container in the killed one's place, the other drains and stops
+            instances.append(Instance(tag, model, f"{name}-2", engine, s3_port))
+            runtime.replace(1, instances[-1].container.url)
+            code, seconds = instances[0].container.stop(30)
+            assert code == 0 and seconds < 30, instances[0].container.logs()
+            turn(2)
+            assert set(runtime.routes.values()) == {1}
+            for session in sessions:
+                session.close()
+            wait_for(lambda: not stored(s3_port), "the closed sessions' objects to go")
+        assert said == pipeline_answers(engine, SHIPPED, pictures, PROMPTS, TOKENS)
+    finally:
+        for instance in instances:
+            instance.remove()
