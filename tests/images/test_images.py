@@ -160,6 +160,7 @@ def test_a_streamed_answer_arrives_in_lines_that_make_the_whole(served: Served) 
 class Streamed:
     lines: list[dict[str, Any]] = field(default_factory=list)
     last_at: float = 0.0  # time.monotonic() of the last line
+    refused: str = ""  # a request the stopping server did not take: its connection's error
 
 
 def _stream(url: str, sid: str, started: threading.Event, out: Streamed) -> None:
@@ -181,6 +182,8 @@ def _stream(url: str, sid: str, started: threading.Event, out: Streamed) -> None
                     out.lines.append(json.loads(line))
                     out.last_at = time.monotonic()
                 started.set()
+    except httpx.HTTPError as error:  # the instance is stopping: no new request is taken
+        out.refused = repr(error)
     finally:
         started.set()
 

@@ -127,6 +127,13 @@ def serve_forever(
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
+    grace = _config(settings).drain_grace_s
+    print(f"draining: answers in flight finish (at most {grace:.0f} s)", file=sys.stderr)
+    try:
+        left = serve.get_app_handle("llava").drain.remote(grace).result(timeout_s=grace + 10)
+        print(f"drained ({left} replies cut)", file=sys.stderr, flush=True)
+    except Exception as error:  # the stop goes on: Ray's own graceful shutdown follows
+        print(f"draining failed: {error!r}", file=sys.stderr, flush=True)
     print("shutting down: replicas flush their session snapshots", file=sys.stderr, flush=True)
     serve.shutdown()
     ray.shutdown()

@@ -1,14 +1,19 @@
 """The HTTP routes of the Ray Serve front, answered exactly as the TorchServe front answers them.
 
-`/ping` answers health; `/invocations` (SageMaker's path), `/predictions/<model>[/...]` (the
-TorchServe paths clients already use) and `/v1/chat/completions`, `/v1/models` (OpenAI's) go to
-a replica, chosen by the session affinity router from the request's session id. Bodies and
-headers pass through untouched: the replica's service parses them as the TorchServe worker does.
+`/ping` answers 200 once a replica can answer (its engine loaded), 503 before; `/invocations`
+(SageMaker's path), `/predictions/<model>[/...]` (the TorchServe paths clients already use) and
+`/v1/chat/completions`, `/v1/models` (OpenAI's) go to a replica, chosen by the session affinity
+router from the request's session id. Bodies and headers pass through untouched: the replica's
+service parses them as the TorchServe worker does. On SIGTERM the front first waits for the
+replies in flight (`drain`), streams included, then lets Ray Serve shut down.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -20,7 +25,13 @@ from llava.api.headers import NEW_SESSION, SESSION_HEADER, header, session_id_fr
 from llava.core.errors import KitError
 from llava.core.params import Limits
 
+log = logging.getLogger(__name__)
+
 ROUTED_PREFIXES = ("/invocations", "/predictions/", "/v1/")
+# How long /ping waits for a replica to say it is ready (SageMaker's ping times out at 2 s).
+READY_WAIT_S = 1.5
+HEALTHY = b'{"status": "Healthy"}'
+LOADING = b'{"status": "Unhealthy", "message": "no replica has loaded the model yet"}'
 
 
 def route_of(body: bytes, headers: dict[str, str]) -> str | None:
@@ -53,31 +64,76 @@ class Ingress:
 
     def __init__(self, replicas: Any) -> None:
         self.replicas = replicas.options(stream=True)
+        self.probe = replicas.options(stream=False)
+        self.ready = False  # a replica has answered `ready`: from then on Ray replaces replicas
+        self.in_flight = 0  # requests whose reply (a stream's last chunk included) is not sent
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    async def drain(self, timeout_s: float) -> int:
+        """Wait until no reply is in flight, at most `timeout_s`; return how many still are.
+        The front's SIGTERM handler calls it before Ray Serve shuts down, which would cut the
+        streams still relaying."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.idle.wait(), timeout_s)
+        return self.in_flight
+
+    def _begin(self) -> None:
+        self.in_flight += 1
+        self.idle.clear()
+
+    def _end(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self.idle.set()
+
+    async def health(self) -> Response:
+        """200 once a replica has loaded its model: until then a call to one waits (Ray queues
+        it while replicas start), and /ping answers 503 after READY_WAIT_S."""
+        if not self.ready:
+            try:
+                self.ready = bool(await asyncio.wait_for(self.probe.ready.remote(), READY_WAIT_S))
+            except asyncio.TimeoutError:
+                pass
+            except Exception:  # any failure to reach a replica: not ready yet
+                log.warning("no replica answered /ping's readiness probe", exc_info=True)
+        status = 200 if self.ready else 503
+        body = HEALTHY if self.ready else LOADING
+        return Response(body, status_code=status, media_type="application/json")
 
     async def __call__(self, request: Request) -> Response:
         path = request.url.path
         if path in ("/ping", "/health"):
-            return Response(b'{"status": "Healthy"}', media_type="application/json")
+            return await self.health()
         if not path.startswith(ROUTED_PREFIXES):
             return not_found(path)
-        body = await request.body()
-        headers = dict(request.headers)
-        replies = self.replicas.remote(body, headers, route=route_of(body, headers))
-        first = await replies.__anext__()
-        head: dict[str, Any] = {
-            "status_code": first["status"],
-            "headers": first["headers"],
-            "media_type": first["content_type"],
-        }
-        if first["last"] is not False:
-            async for _ in replies:  # ends at once: lets Ray close the call on the replica
-                pass
-            return Response(first["body"], **head)
-        return StreamingResponse(_rest(first["body"], replies), **head)
+        self._begin()
+        streaming = False
+        try:
+            body = await request.body()
+            headers = dict(request.headers)
+            replies = self.replicas.remote(body, headers, route=route_of(body, headers))
+            first = await replies.__anext__()
+            head: dict[str, Any] = {
+                "status_code": first["status"],
+                "headers": first["headers"],
+                "media_type": first["content_type"],
+            }
+            if first["last"] is not False:
+                async for _ in replies:  # ends at once: lets Ray close the call on the replica
+                    pass
+                return Response(first["body"], **head)
+            streaming = True
+            return StreamingResponse(self._rest(first["body"], replies), **head)
+        finally:
+            if not streaming:
+                self._end()
 
-
-async def _rest(first: bytes, replies: Any) -> AsyncIterator[bytes]:
-    """Relay a stream: its first chunk, then each chunk the replica yields."""
-    yield first
-    async for reply in replies:
-        yield reply["body"]
+    async def _rest(self, first: bytes, replies: Any) -> AsyncIterator[bytes]:
+        """Relay a stream: its first chunk, then each chunk the replica yields."""
+        try:
+            yield first
+            async for reply in replies:
+                yield reply["body"]
+        finally:
+            self._end()

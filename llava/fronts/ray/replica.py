@@ -122,6 +122,11 @@ class LlavaReplica:
                 )
             gauge.set(reading.value, tags={key: value, "Replica": f"r{self.rank}"})
 
+    def ready(self) -> bool:
+        """Answered once this replica's engine is loaded (its constructor has returned): the
+        ingress's /ping waits for one."""
+        return True
+
     def check_health(self) -> None:
         """Fail Ray's health check when the step loop has died (Ray then replaces the replica)."""
         if not self.loop.alive:

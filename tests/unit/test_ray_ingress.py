@@ -1,0 +1,86 @@
+"""The Ray front's ingress: /ping waits for a replica to be ready, and `drain` waits for the
+replies in flight, streams included (stand-in handles for Ray's: the end to end is in
+tests/images, the Ray image stopped mid-answer)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("ray.serve", reason="the Ray front needs the ray extra")
+
+from starlette.requests import Request  # noqa: E402
+
+from llava.fronts.ray import ingress  # noqa: E402
+from llava.fronts.ray.ingress import Ingress  # noqa: E402
+
+
+class Replicas:
+    """What the ingress calls: `options(stream=...)`, `.remote(...)`, `.ready.remote()`."""
+
+    def __init__(self) -> None:
+        self.loaded = asyncio.Event()
+        self.release = asyncio.Event()  # the stream's last chunk waits for it
+        self.ready = self
+
+    def options(self, stream: bool) -> Replicas:
+        return self
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        if not args:  # ready.remote(): answered once a replica has loaded
+            return self._loaded()
+        return self._replies()
+
+    async def _loaded(self) -> bool:
+        await self.loaded.wait()
+        return True
+
+    async def _replies(self) -> AsyncIterator[dict[str, Any]]:
+        head = {"status": 200, "headers": {}, "content_type": "application/x-ndjson"}
+        yield {**head, "body": b'{"text":"a"}\n', "last": False}
+        await self.release.wait()
+        yield {"body": b'{"finish_reason":"stop"}\n'}
+
+
+def request(path: str) -> Request:
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    scope = {"type": "http", "method": "POST", "path": path, "headers": [], "query_string": b""}
+    return Request(scope, receive)
+
+
+def test_ping_says_503_until_a_replica_has_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ingress, "READY_WAIT_S", 0.05)
+
+    async def run() -> list[int]:
+        replicas = Replicas()
+        front = Ingress(replicas)
+        loading = (await front(request("/ping"))).status_code
+        replicas.loaded.set()
+        return [loading, (await front(request("/ping"))).status_code]
+
+    assert asyncio.run(run()) == [503, 200]
+
+
+def test_drain_waits_for_a_stream_to_end() -> None:
+    async def run() -> tuple[bool, int, int]:
+        replicas = Replicas()
+        front = Ingress(replicas)
+        response: Any = await front(request("/invocations"))
+        chunks = response.body_iterator
+        first = await chunks.__anext__()
+        assert first == b'{"text":"a"}\n'
+        draining = asyncio.ensure_future(front.drain(5))
+        await asyncio.sleep(0.05)  # the drain must still be waiting: the stream is open
+        waited = not draining.done()
+        cut_at_timeout = await front.drain(0.01)
+        replicas.release.set()
+        async for _ in chunks:
+            pass
+        return waited, cut_at_timeout, await draining
+
+    assert asyncio.run(run()) == (True, 1, 0)
