@@ -24,7 +24,11 @@ def socket_in(pid: int) -> socket.socket:
     failed: list[BaseException] = []
 
     def make() -> None:  # setns moves only this thread, which then ends
-        fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY)
+        try:
+            fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY)  # gone with its container
+        except OSError as error:
+            failed.append(error)
+            return
         try:
             if _libc.setns(fd, _CLONE_NEWNET) != 0:
                 err = ctypes.get_errno()
