@@ -129,6 +129,9 @@ RUN /opt/llava-sessions/install_kit.sh code /tmp/llava-sessions-src && rm -rf /t
 #   TS_MAX_REQUEST_SIZE: 16 MiB, above SageMaker's 6 MiB body limit, which the kit enforces itself
 #     (a local run rejects what SageMaker would, with a JSON 413 that names the limit; TorchServe's
 #     own 413, past 16 MiB, has no body). TS_MAX_RESPONSE_SIZE: SageMaker's 6 MiB.
+#   LLAVA_DRAIN_GRACE_S / LLAVA_DRAIN_TIMEOUT_S: on SIGTERM, answers in flight get 20 s to finish
+#     and the whole drain, the store's flush included, 27 s: inside the 30 s between SIGTERM and
+#     SIGKILL that `docker stop` gives by default (SageMaker's own grace is not documented).
 #   LLAVA_SESSION_TTL_S: idle seconds before a session expires (1200 s, as AWS containers use);
 #     every handler setting of model-config.yaml has such an LLAVA_<NAME> override.
 # The kit's session gauges (sessions and bytes per memory tier) next to TorchServe's own metrics.
@@ -142,6 +145,8 @@ ENV TS_DEFAULT_RESPONSE_TIMEOUT=300 \
     TS_MAX_REQUEST_SIZE=16777216 \
     TS_MAX_RESPONSE_SIZE=6291456 \
     LLAVA_SESSION_TTL_S=1200 \
+    LLAVA_DRAIN_GRACE_S=20 \
+    LLAVA_DRAIN_TIMEOUT_S=27 \
     PIP_CONSTRAINT=/opt/llava-sessions/constraints.txt \
     LOG_LOCATION=/var/log/torchserve \
     METRICS_LOCATION=/var/log/torchserve

@@ -42,7 +42,7 @@ case "$engine/$vllm_build" in
   *) die "ENGINE=$engine: build with ENGINE=vllm or ENGINE=transformers" ;;
 esac
 # vLLM's CPU build links libnuma (its GPU wheel does not): from the base's own package manager.
-if [[ "$engine/$vllm_build" == vllm/cpu ]] && ! ldconfig -p | grep -q 'libnuma\.so\.1 '; then
+if [[ "$engine/$vllm_build" == vllm/cpu ]] && ! ldconfig -p | grep -F 'libnuma.so.1 ' >/dev/null; then
   if command -v dnf >/dev/null; then
     dnf install -y numactl-libs && dnf clean all
   else

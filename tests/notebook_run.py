@@ -17,7 +17,7 @@ import nbformat
 import pytest
 from botocore.exceptions import ClientError
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "deploy_and_chat.ipynb"
 REGION = "us-east-1"
 ACCOUNT = "123456789012"

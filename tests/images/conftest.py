@@ -73,12 +73,24 @@ def model_data(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str]
     tgz = Path(build_archive(SHIPPED, root / "torchserve-tgz", name="model", archive_format="tgz"))
     package = write_package(SHIPPED, root / "ray")
     ray_tgz = root / "ray-model.tar.gz"
-    with tarfile.open(ray_tgz, "w:gz") as out:  # the package folder's content, as uploaded
-        for entry in sorted(package.iterdir()):
-            out.add(entry, arcname=entry.name)
+    with tarfile.open(ray_tgz, "w:gz") as out:  # `tar czf model.tar.gz package/`: one folder
+        out.add(package, arcname="llava-package")
     return {
         ("torchserve", "prefix"): archive,
         ("torchserve", "tar.gz"): _unpack(tgz, root / "torchserve-unpacked"),
         ("ray", "prefix"): package,
         ("ray", "tar.gz"): _unpack(ray_tgz, root / "ray-unpacked"),
     }
+
+
+@pytest.fixture(scope="module")
+def moto_port() -> Iterator[int]:
+    """moto's S3 and SageMaker API server on loopback (the containers reach it relayed)."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        yield int(server.get_host_and_port()[1])
+    finally:
+        server.stop()

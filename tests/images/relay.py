@@ -18,26 +18,25 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _CLONE_NEWNET = 0x40000000
 
 
-def socket_in(pid: int) -> socket.socket:
-    """Return a TCP socket created inside process `pid`'s network namespace."""
+def network_of(pid: int) -> int:
+    """Open process `pid`'s network namespace: the descriptor keeps that namespace, not
+    whatever later takes the pid (a dead container's namespace refuses connections)."""
+    return os.open(f"/proc/{pid}/ns/net", os.O_RDONLY)
+
+
+def socket_in(namespace: int) -> socket.socket:
+    """Return a TCP socket created inside a network namespace (a `network_of` descriptor)."""
     made: list[socket.socket] = []
     failed: list[BaseException] = []
 
     def make() -> None:  # setns moves only this thread, which then ends
         try:
-            fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY)  # gone with its container
-        except OSError as error:
-            failed.append(error)
-            return
-        try:
-            if _libc.setns(fd, _CLONE_NEWNET) != 0:
+            if _libc.setns(namespace, _CLONE_NEWNET) != 0:
                 err = ctypes.get_errno()
-                raise OSError(err, f"setns into {pid}'s network: {os.strerror(err)}")
+                raise OSError(err, f"setns: {os.strerror(err)}")
             made.append(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
         except BaseException as error:
             failed.append(error)
-        finally:
-            os.close(fd)
 
     thread = threading.Thread(target=make)
     thread.start()
@@ -58,9 +57,12 @@ def _pipe(source: socket.socket, sink: socket.socket) -> None:
 class Relay:
     """Accept on `listener`; pipe each connection both ways to a socket from `connect()`."""
 
-    def __init__(self, listener: socket.socket, connect: Callable[[], socket.socket]) -> None:
+    def __init__(
+        self, listener: socket.socket, connect: Callable[[], socket.socket], namespace: int
+    ) -> None:
         self.listener = listener
         self.connect = connect
+        self.namespace = namespace
         self.port: int = listener.getsockname()[1]
         self._open: set[socket.socket] = set()
         self._thread = threading.Thread(target=self._accept, daemon=True)
@@ -88,16 +90,19 @@ class Relay:
         for sock in list(self._open):
             with contextlib.suppress(OSError):
                 sock.close()
+        with contextlib.suppress(OSError):
+            os.close(self.namespace)
 
 
 def publish(pid: int, port: int) -> Relay:
     """A loopback port here whose connections reach `port` on the container's loopback."""
+    namespace = network_of(pid)
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(64)
 
     def connect() -> socket.socket:
-        sock = socket_in(pid)
+        sock = socket_in(namespace)
         try:
             sock.connect(("127.0.0.1", port))
         except OSError:
@@ -105,12 +110,13 @@ def publish(pid: int, port: int) -> Relay:
             raise
         return sock
 
-    return Relay(listener, connect)
+    return Relay(listener, connect, namespace)
 
 
 def expose(pid: int, port: int, target: tuple[str, int]) -> Relay:
     """The container's 127.0.0.1:`port` reaches `target` here."""
-    listener = socket_in(pid)
+    namespace = network_of(pid)
+    listener = socket_in(namespace)
     listener.bind(("127.0.0.1", port))
     listener.listen(64)
-    return Relay(listener, lambda: socket.create_connection(target, timeout=10))
+    return Relay(listener, lambda: socket.create_connection(target, timeout=10), namespace)

@@ -10,7 +10,6 @@ Not the SageMaker Python SDK's local mode: the notebook deploys with boto3 and t
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,16 +24,8 @@ from llava.tools.tiny.train import SHIPPED
 
 
 @pytest.fixture(scope="module")
-def moto_url() -> Iterator[str]:
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    try:
-        host, port = server.get_host_and_port()
-        yield f"http://{host}:{port}"
-    finally:
-        server.stop()
+def moto_url(moto_port: int) -> str:
+    return f"http://127.0.0.1:{moto_port}"
 
 
 @pytest.mark.parametrize("engine", ["vllm", "transformers"])

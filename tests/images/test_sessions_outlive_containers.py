@@ -11,7 +11,6 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,19 +34,11 @@ CREDENTIALS = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing
 
 
 @pytest.fixture(scope="module")
-def s3_port() -> Iterator[int]:
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
+def s3_port(moto_port: int) -> int:
     boto3.client(
-        "s3", endpoint_url=f"http://{host}:{port}", region_name="us-east-1", **CREDENTIALS
+        "s3", endpoint_url=f"http://127.0.0.1:{moto_port}", region_name="us-east-1", **CREDENTIALS
     ).create_bucket(Bucket=BUCKET)
-    try:
-        yield int(port)
-    finally:
-        server.stop()
+    return moto_port
 
 
 def stored(s3_port: int) -> dict[str, str]:
@@ -92,15 +83,17 @@ class Instance:
         self.container.remove()
 
 
-def _long_stream(session: Any, started: threading.Event, failed: list[BaseException]) -> None:
-    """A long sampled answer, read until the connection breaks."""
+def _long_stream(
+    session: Any, answering: threading.Event, over: threading.Event, failed: list[BaseException]
+) -> None:
+    """A long sampled answer, read until the connection breaks (`answering`: a chunk came)."""
     try:
         for _ in session.stream("Tell me more.", max_new_tokens=700, temperature=2.0, seed=3):
-            started.set()
+            answering.set()
     except Exception as error:  # the container is killed under it
         failed.append(error)
     finally:
-        started.set()
+        over.set()
 
 
 @pytest.mark.parametrize(("front", "engine"), IMAGES, ids=[f"{f}-{e}" for f, e in IMAGES])
@@ -149,10 +142,10 @@ def test_conversations_survive_a_killed_and_a_replaced_container(
             assert sorted(set(runtime.routes.values())) == [0, 1]  # both instances hold some
             # docker kill, mid-answer: that answer is lost, never half-committed
             victim = next(s for s in sessions if runtime.routes[s.id] == 1)
-            started, failed = threading.Event(), []
-            streamer = threading.Thread(target=_long_stream, args=(victim, started, failed))
+            answering, over, failed = threading.Event(), threading.Event(), []
+            streamer = threading.Thread(target=_long_stream, args=(victim, answering, over, failed))
             streamer.start()
-            assert started.wait(120)
+            assert answering.wait(120) and not over.is_set(), failed  # mid-answer
             docker("kill", instances[1].container.name)
             streamer.join(120)
             assert failed, "the answer finished before the kill: nothing was cut"

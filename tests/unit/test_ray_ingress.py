@@ -5,6 +5,7 @@ tests/images, the Ray image stopped mid-answer)."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -45,11 +46,12 @@ class Replicas:
         yield {"body": b'{"finish_reason":"stop"}\n'}
 
 
-def request(path: str) -> Request:
+def request(path: str, headers: dict[str, str] | None = None) -> Request:
     async def receive() -> dict[str, Any]:
         return {"type": "http.request", "body": b"{}", "more_body": False}
 
-    scope = {"type": "http", "method": "POST", "path": path, "headers": [], "query_string": b""}
+    raw = [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    scope = {"type": "http", "method": "POST", "path": path, "headers": raw, "query_string": b""}
     return Request(scope, receive)
 
 
@@ -81,6 +83,32 @@ def test_drain_waits_for_a_stream_to_end() -> None:
         replicas.release.set()
         async for _ in chunks:
             pass
+        del chunks, response  # sent: Starlette lets the response go
         return waited, cut_at_timeout, await draining
 
     assert asyncio.run(run()) == (True, 1, 0)
+
+
+def test_a_stream_dropped_before_it_began_is_not_waited_for() -> None:
+    async def run() -> int:
+        front = Ingress(Replicas())
+        response: Any = await front(request("/invocations"))
+        del response  # the client left before the first chunk was sent
+        return await front.drain(1)
+
+    assert asyncio.run(run()) == 0
+
+
+def test_draining_refuses_new_sessions_and_answers_held_ones() -> None:
+    async def run() -> tuple[Any, Any]:
+        replicas = Replicas()
+        replicas.release.set()
+        front = Ingress(replicas)
+        await front.drain(0)
+        new = await front(request("/invocations"))
+        held = await front(request("/invocations", {"X-Amzn-SageMaker-Session-Id": "abc-1"}))
+        return new, held
+
+    new, held = asyncio.run(run())
+    assert new.status_code == 503 and json.loads(new.body)["error"]["code"] == "draining"
+    assert held.status_code == 200

@@ -268,6 +268,9 @@ def _build_install(
         f"open({str(log)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n"
     )
     fake.chmod(0o755)
+    ldconfig = bin_dir / "ldconfig"  # the base has libnuma: no package manager runs here
+    ldconfig.write_text("#!/bin/sh\necho '\tlibnuma.so.1 (libc6,x86-64) => /lib/libnuma.so.1'\n")
+    ldconfig.chmod(0o755)
     # Paths in the image (/opt/llava-sessions, /tmp/llava-sessions-src) move under tmp_path.
     run = _install_run(path).replace("/opt/llava-sessions", str(tmp_path / "opt"))
     run = run.replace("/tmp/llava-sessions-src", str(tmp_path / "src"))
@@ -379,6 +382,15 @@ def test_an_unknown_vllm_build_fails_the_build_saying_what_to_pass(path, tmp_pat
     status, calls, stderr = _build_install(path, "vllm", tmp_path, vllm_build="rocm")
     assert status != 0 and calls == []
     assert "VLLM_BUILD=gpu or VLLM_BUILD=cpu" in stderr
+
+
+def test_the_ping_plugin_is_built_against_the_torchserve_the_image_installs() -> None:
+    """The plugin stage downloads TorchServe to compile against its model-server.jar: the same
+    release as the `serve` extra's pin, or the plugin API it is built for may differ."""
+    pinned = re.search(r'"torchserve==([^"]+)"', (REPO / "pyproject.toml").read_text())
+    runs = " ".join(rest for keyword, rest in _instructions(DOCKERFILE) if keyword == "RUN")
+    assert pinned and f"torchserve=={pinned.group(1)} " in runs
+    assert f"torchserve-{pinned.group(1)}-" in runs
 
 
 def _load_helper():

@@ -101,6 +101,9 @@ def serve_forever(
     new local cluster serves its Prometheus metrics)."""
     for name, value in RAY_ENV.items():  # read by every Ray process this one starts
         os.environ.setdefault(name, value)
+    stop = threading.Event()  # set by SIGTERM even while the replicas start (PID 1 in a container)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
     import ray
     from ray import serve
 
@@ -123,14 +126,11 @@ def serve_forever(
     print(f"starting {replicas or 'one per GPU'} replica(s) of {model_dir}", file=sys.stderr)
     serve.run(app, name="llava", route_prefix="/")
     print(f"llava on Ray Serve: http://{host}:{port} (ready)", flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     grace = _config(settings).drain_grace_s
     print(f"draining: answers in flight finish (at most {grace:.0f} s)", file=sys.stderr)
     try:
-        left = serve.get_app_handle("llava").drain.remote(grace).result(timeout_s=grace + 10)
+        left = serve.get_app_handle("llava").drain.remote(grace).result(timeout_s=grace + 5)
         print(f"drained ({left} replies cut)", file=sys.stderr, flush=True)
     except Exception as error:  # the stop goes on: Ray's own graceful shutdown follows
         print(f"draining failed: {error!r}", file=sys.stderr, flush=True)

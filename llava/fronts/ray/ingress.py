@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -22,7 +23,8 @@ from starlette.responses import Response, StreamingResponse
 
 from llava.api.body import decode_body
 from llava.api.headers import NEW_SESSION, SESSION_HEADER, header, session_id_from
-from llava.core.errors import KitError
+from llava.api.replies import error_reply
+from llava.core.errors import Draining, KitError
 from llava.core.params import Limits
 
 log = logging.getLogger(__name__)
@@ -69,11 +71,14 @@ class Ingress:
         self.in_flight = 0  # requests whose reply (a stream's last chunk included) is not sent
         self.idle = asyncio.Event()
         self.idle.set()
+        self.draining = False
 
     async def drain(self, timeout_s: float) -> int:
-        """Wait until no reply is in flight, at most `timeout_s`; return how many still are.
-        The front's SIGTERM handler calls it before Ray Serve shuts down, which would cut the
-        streams still relaying."""
+        """Take no new session (503 `draining`, as the TorchServe worker answers), and wait
+        until no reply is in flight, at most `timeout_s`; return how many still are. The front's
+        SIGTERM handler calls it before Ray Serve shuts down, which would cut the streams still
+        relaying."""
+        self.draining = True
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self.idle.wait(), timeout_s)
         return self.in_flight
@@ -107,12 +112,16 @@ class Ingress:
             return await self.health()
         if not path.startswith(ROUTED_PREFIXES):
             return not_found(path)
+        body = await request.body()
+        headers = dict(request.headers)
+        route = route_of(body, headers)
+        if self.draining and route is None:
+            refusal = error_reply(Draining("this instance is stopping: open the session again"))
+            return Response(refusal.body, refusal.status, refusal.headers, refusal.content_type)
         self._begin()
         streaming = False
         try:
-            body = await request.body()
-            headers = dict(request.headers)
-            replies = self.replicas.remote(body, headers, route=route_of(body, headers))
+            replies = self.replicas.remote(body, headers, route=route)
             first = await replies.__anext__()
             head: dict[str, Any] = {
                 "status_code": first["status"],
@@ -123,17 +132,19 @@ class Ingress:
                 async for _ in replies:  # ends at once: lets Ray close the call on the replica
                     pass
                 return Response(first["body"], **head)
+            rest = _rest(first["body"], replies)
+            # Counted out when the relay is gone: ended, or dropped before it began (a client
+            # that left at once), which no `finally` inside it would see.
+            weakref.finalize(rest, self._end)
             streaming = True
-            return StreamingResponse(self._rest(first["body"], replies), **head)
+            return StreamingResponse(rest, **head)
         finally:
             if not streaming:
                 self._end()
 
-    async def _rest(self, first: bytes, replies: Any) -> AsyncIterator[bytes]:
-        """Relay a stream: its first chunk, then each chunk the replica yields."""
-        try:
-            yield first
-            async for reply in replies:
-                yield reply["body"]
-        finally:
-            self._end()
+
+async def _rest(first: bytes, replies: Any) -> AsyncIterator[bytes]:
+    """Relay a stream: its first chunk, then each chunk the replica yields."""
+    yield first
+    async for reply in replies:
+        yield reply["body"]
