@@ -4,7 +4,11 @@ relayed: no network), an unmodified boto3 `invoke_endpoint` with `SessionId` und
 `SessionClient`. One container is killed mid-answer (`docker kill`); a fresh one starts and the
 other is stopped (`docker stop`: it drains and flushes; an update). Every conversation goes on,
 and each answer is the engine's own pipeline's over the whole conversation (transformers'
-`generate`, or vLLM's offline `generate` run from .venv-vllm), so no finished turn was lost."""
+`generate`, or vLLM's offline `generate` run from .venv-vllm), so no finished turn was lost.
+
+The model is a random-weight `tiny-vllm` checkpoint (both engines run it): its sampled answers
+run long, so the kill lands mid-answer (the trained `shapes` model ends its answers in a few
+tokens, faster than `docker kill` arrives)."""
 
 from __future__ import annotations
 
@@ -23,14 +27,28 @@ from relay import Relay, expose
 
 from llava.client import SessionClient
 from llava.fronts.local_runtime.server import LocalRuntime
+from llava.fronts.ray.package import write_package
+from llava.tools.archive import build_archive
+from llava.tools.tiny import build_checkpoint
 from llava.tools.tiny.scenes import draw_scene
-from llava.tools.tiny.train import SHIPPED
 
 BUCKET = "endpoint-sessions"
 STORE_PORT = 9000  # where each container finds the store on its own loopback
-PROMPTS = ["How many shapes are there?", "What colour is the circle?", "And the other one?"]
+PROMPTS = ["What is in this picture?", "Which colours?", "And where?"]
 TOKENS = 12
 CREDENTIALS = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path]]:
+    """The checkpoint, and its model data for each front (an S3 prefix's layout)."""
+    root = tmp_path_factory.mktemp("durable-model")
+    checkpoint = build_checkpoint(root / "tiny-vllm", profile="tiny-vllm")
+    data = {
+        "torchserve": Path(build_archive(checkpoint, root / "torchserve", name="model")),
+        "ray": write_package(checkpoint, root / "ray"),
+    }
+    return checkpoint, data
 
 
 @pytest.fixture(scope="module")
@@ -101,17 +119,17 @@ def test_conversations_survive_a_killed_and_a_replaced_container(
     front: str,
     engine: str,
     images: Any,
-    model_data: dict[tuple[str, str], Path],
+    model: tuple[Path, dict[str, Path]],
     s3_port: int,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     tag = images(front, engine)
-    model = model_data[front, "prefix"]
+    checkpoint, data = model
     name = f"llava-durable-{front}-{engine}"
     instances: list[Instance] = []
     try:
-        instances += [Instance(tag, model, f"{name}-{i}", engine, s3_port) for i in (0, 1)]
+        instances += [Instance(tag, data[front], f"{name}-{i}", engine, s3_port) for i in (0, 1)]
         pictures = []
         for i in range(4):
             picture = draw_scene(random.Random(900 + i), count=2).draw()
@@ -152,7 +170,7 @@ def test_conversations_survive_a_killed_and_a_replaced_container(
             turn(1)  # the killed container's conversations resume on the other
             assert set(runtime.routes.values()) == {0}
             # an update: a fresh container in the killed one's place, the other drains and stops
-            instances.append(Instance(tag, model, f"{name}-2", engine, s3_port))
+            instances.append(Instance(tag, data[front], f"{name}-2", engine, s3_port))
             runtime.replace(1, instances[-1].container.url)
             code, seconds = instances[0].container.stop(30)
             assert code == 0 and seconds < 30, instances[0].container.logs()
@@ -161,7 +179,7 @@ def test_conversations_survive_a_killed_and_a_replaced_container(
             for session in sessions:
                 session.close()
             wait_for(lambda: not stored(s3_port), "the closed sessions' objects to go")
-        assert said == pipeline_answers(engine, SHIPPED, pictures, PROMPTS, TOKENS)
+        assert said == pipeline_answers(engine, checkpoint, pictures, PROMPTS, TOKENS)
     finally:
         for instance in instances:
             instance.remove()

@@ -101,9 +101,6 @@ def serve_forever(
     new local cluster serves its Prometheus metrics)."""
     for name, value in RAY_ENV.items():  # read by every Ray process this one starts
         os.environ.setdefault(name, value)
-    stop = threading.Event()  # set by SIGTERM even while the replicas start (PID 1 in a container)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
     import ray
     from ray import serve
 
@@ -114,6 +111,11 @@ def serve_forever(
         log_to_driver=False,
         _metrics_export_port=None if address else metrics_port,
     )
+    # After ray.init, which installs Ray's own SIGTERM handler (it ends the process at once):
+    # SIGTERM is heard even while the replicas start (the container's PID 1 has no default).
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
     serve.start(proxy_location=proxy_location, http_options={"host": host, "port": port})
     app = build(
         {
