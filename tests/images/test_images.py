@@ -163,29 +163,25 @@ class Streamed:
     refused: str = ""  # a request the stopping server did not take: its connection's error
 
 
-def _stream(url: str, sid: str, started: threading.Event, out: Streamed) -> None:
-    """Stream an answer, keeping its lines and when the last one came."""
+def _stream_until(url: str, sid: str, stop: threading.Event, kept: list[Streamed]) -> None:
+    """Stream answers back to back until `stop` or a refusal, keeping each one's lines."""
     body = {"type": "query", "prompt": QUESTION, "temperature": 2.0, "seed": 1, "stream": True}
     body["max_new_tokens"] = 900
-    try:
-        with (
-            httpx.Client(timeout=300) as client,
-            client.stream(
-                "POST",
-                url,
-                content=json.dumps(body),
-                headers={"Content-Type": "application/json", SID: sid},
-            ) as response,
-        ):
-            for line in response.iter_lines():
-                if line:
-                    out.lines.append(json.loads(line))
-                    out.last_at = time.monotonic()
-                started.set()
-    except httpx.HTTPError as error:  # the instance is stopping: no new request is taken
-        out.refused = repr(error)
-    finally:
-        started.set()
+    headers = {"Content-Type": "application/json", SID: sid}
+    with httpx.Client(timeout=300) as client:
+        while not stop.is_set():
+            out = Streamed()
+            kept.append(out)
+            try:
+                with client.stream("POST", url, content=json.dumps(body), headers=headers) as r:
+                    for line in r.iter_lines():
+                        if line:
+                            out.lines.append(json.loads(line))
+                            out.last_at = time.monotonic()
+            except httpx.HTTPError as error:  # the instance is stopping: no new request taken
+                out.refused = repr(error)
+            if out.refused or not out.lines or "error" in out.lines[-1]:
+                return
 
 
 @dataclass
@@ -329,29 +325,32 @@ def test_a_model_tar_gz_serves_expires_sessions_and_drains_on_docker_stop(
         with httpx.Client(timeout=120) as client:
             sids = [
                 _call(client, url, {"type": "open_session", "image": PICTURE}).json()["session_id"]
-                for _ in range(16)
+                for _ in range(8)
             ]
-        started, streams = threading.Event(), [Streamed() for _ in sids]
+        stop, kept = threading.Event(), []
         threads = [
-            threading.Thread(target=_stream, args=(url, sid, started, out))
-            for sid, out in zip(sids, streams, strict=True)
+            threading.Thread(target=_stream_until, args=(url, sid, stop, kept)) for sid in sids
         ]
         for thread in threads:
             thread.start()
-        assert started.wait(120)
+        deadline = time.monotonic() + 120
+        while sum(bool(out.lines) for out in kept) < 8:  # answers are streaming back to back
+            assert time.monotonic() < deadline, "no answers came"
+            time.sleep(0.05)
+        stop.set()  # no new requests from here, as SageMaker's router stops sending them
         stopping = time.monotonic()
         code, seconds = container.stop(30)
         for thread in threads:
             thread.join(60)
         assert code == 0, container.logs()
         assert seconds < 30
-        begun = [out for out in streams if any("text" in line for line in out.lines)]
+        begun = [out for out in kept if any("text" in line for line in out.lines)]
         cut = [out.lines[-1] for out in begun if not out.lines[-1].get("finish_reason")]
         assert cut == []  # an answer begun is finished, however the stop came
-        for out in streams:  # one not begun was refused: a 503 `draining`, or no connection
+        assert max(out.last_at for out in begun) > stopping, "no answer was in flight"
+        for out in kept:  # one not begun was refused: a 503 `draining`, or no connection
             if out not in begun:
                 assert out.refused or out.lines[-1]["error"]["code"] == "draining", out
-        assert max(out.last_at for out in begun) > stopping, "no answer was in flight"
     finally:
         container.remove()
 
