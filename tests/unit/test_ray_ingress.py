@@ -112,3 +112,30 @@ def test_draining_refuses_new_sessions_and_answers_held_ones() -> None:
     new, held = asyncio.run(run())
     assert new.status_code == 503 and json.loads(new.body)["error"]["code"] == "draining"
     assert held.status_code == 200
+
+
+def test_a_request_arriving_as_the_last_ends_extends_the_drain(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One on its way from Ray's proxy when the ingress fell idle is waited for too."""
+    monkeypatch.setattr(ingress, "SETTLE_S", 0.2)
+
+    async def run() -> tuple[bool, int]:
+        replicas = Replicas()
+        replicas.release.set()
+        front = Ingress(replicas)
+        first: Any = await front(request("/invocations", {"X-Amzn-SageMaker-Session-Id": "a-1"}))
+        draining = asyncio.ensure_future(front.drain(5))
+        async for _ in first.body_iterator:
+            pass
+        del first  # the last reply ends: the ingress is idle
+        await asyncio.sleep(0.05)  # within the settle time, the next one arrives
+        second: Any = await front(request("/invocations", {"X-Amzn-SageMaker-Session-Id": "a-2"}))
+        await asyncio.sleep(0.4)  # past the settle time: the drain must still wait for it
+        waited = not draining.done()
+        async for _ in second.body_iterator:
+            pass
+        del second
+        return waited, await draining
+
+    assert asyncio.run(run()) == (True, 0)

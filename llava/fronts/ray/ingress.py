@@ -11,7 +11,6 @@ replies in flight (`drain`), streams included, then lets Ray Serve shut down.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import weakref
@@ -32,6 +31,8 @@ log = logging.getLogger(__name__)
 ROUTED_PREFIXES = ("/invocations", "/predictions/", "/v1/")
 # How long /ping waits for a replica to say it is ready (SageMaker's ping times out at 2 s).
 READY_WAIT_S = 1.5
+# How long the ingress must see no request before a drain ends.
+SETTLE_S = 0.5
 HEALTHY = b'{"status": "Healthy"}'
 LOADING = b'{"status": "Unhealthy", "message": "no replica has loaded the model yet"}'
 
@@ -71,21 +72,32 @@ class Ingress:
         self.in_flight = 0  # requests whose reply (a stream's last chunk included) is not sent
         self.idle = asyncio.Event()
         self.idle.set()
+        self.arrived = asyncio.Event()  # set by each request that reaches this ingress
         self.draining = False
 
     async def drain(self, timeout_s: float) -> int:
         """Take no new session (503 `draining`, as the TorchServe worker answers), and wait
-        until no reply is in flight, at most `timeout_s`; return how many still are. The front's
-        SIGTERM handler calls it before Ray Serve shuts down, which would cut the streams still
-        relaying."""
+        until no reply has been in flight for SETTLE_S (a request may still be on its way from
+        Ray's proxy when the last one ends), at most `timeout_s`; return how many still are.
+        The front's SIGTERM handler calls it before Ray Serve shuts down, which would cut the
+        streams still relaying."""
         self.draining = True
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self.idle.wait(), timeout_s)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while (left := deadline - loop.time()) > 0:
+            try:
+                await asyncio.wait_for(self.idle.wait(), left)
+                self.arrived.clear()
+                await asyncio.wait_for(self.arrived.wait(), min(SETTLE_S, left))
+            except asyncio.TimeoutError:
+                if self.in_flight == 0:
+                    break  # quiet for SETTLE_S
         return self.in_flight
 
     def _begin(self) -> None:
         self.in_flight += 1
         self.idle.clear()
+        self.arrived.set()
 
     def _end(self) -> None:
         self.in_flight -= 1
