@@ -12,6 +12,7 @@ tokens, faster than `docker kill` arrives)."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 import time
@@ -26,6 +27,7 @@ from oracles import pipeline_answers
 from relay import Relay, expose
 
 from llava.client import SessionClient
+from llava.core.errors import KitError
 from llava.fronts.local_runtime.server import LocalRuntime
 from llava.fronts.ray.package import write_package
 from llava.tools.archive import build_archive
@@ -104,9 +106,12 @@ class Instance:
 def _long_stream(
     session: Any, answering: threading.Event, over: threading.Event, failed: list[BaseException]
 ) -> None:
-    """A long sampled answer, read until the connection breaks (`answering`: a chunk came)."""
+    """A long sampled side answer (history=False: finished or not, the conversation is left as
+    it was), read until the connection breaks (`answering`: a chunk came)."""
     try:
-        for _ in session.stream("Tell me more.", max_new_tokens=700, temperature=2.0, seed=3):
+        for _ in session.stream(
+            "Tell me more.", max_new_tokens=900, temperature=2.0, seed=3, history=False
+        ):
             answering.set()
     except Exception as error:  # the container is killed under it
         failed.append(error)
@@ -158,26 +163,37 @@ def test_conversations_survive_a_killed_and_a_replaced_container(
 
             turn(0)
             assert sorted(set(runtime.routes.values())) == [0, 1]  # both instances hold some
-            # docker kill, mid-answer: that answer is lost, never half-committed
-            victim = next(s for s in sessions if runtime.routes[s.id] == 1)
-            answering, over, failed = threading.Event(), threading.Event(), []
-            streamer = threading.Thread(target=_long_stream, args=(victim, answering, over, failed))
-            streamer.start()
-            assert answering.wait(120) and not over.is_set(), failed  # mid-answer
+            # docker kill, mid-answer: long answers stream on every session of instance 1 (and
+            # on spare ones there); the kill comes once one is streaming, and cuts some
+            spares = [client.session(image=data_uri(Image.open(pictures[0]))) for _ in range(4)]
+            victims = [s for s in sessions + spares if runtime.routes[s.id] == 1]
+            answering, failed = threading.Event(), []
+            overs = [threading.Event() for _ in victims]
+            streamers = [
+                threading.Thread(target=_long_stream, args=(victim, answering, over, failed))
+                for victim, over in zip(victims, overs, strict=True)
+            ]
+            for streamer in streamers:
+                streamer.start()
+            assert answering.wait(120), failed
             docker("kill", instances[1].container.name)
-            streamer.join(120)
-            assert failed, "the answer finished before the kill: nothing was cut"
+            for streamer in streamers:
+                streamer.join(120)
+            assert failed, "every answer finished before the kill: nothing was cut"
             turn(1)  # the killed container's conversations resume on the other
-            assert set(runtime.routes.values()) == {0}
+            assert {runtime.routes[s.id] for s in sessions} == {0}
             # an update: a fresh container in the killed one's place, the other drains and stops
             instances.append(Instance(tag, data[front], f"{name}-2", engine, s3_port))
             runtime.replace(1, instances[-1].container.url)
             code, seconds = instances[0].container.stop(30)
             assert code == 0 and seconds < 30, instances[0].container.logs()
             turn(2)
-            assert set(runtime.routes.values()) == {1}
+            assert {runtime.routes[s.id] for s in sessions} == {1}
             for session in sessions:
                 session.close()
+            for spare in spares:  # one the kill took before its open was stored is gone
+                with contextlib.suppress(KitError):
+                    spare.close()
             wait_for(lambda: not stored(s3_port), "the closed sessions' objects to go")
         assert said == pipeline_answers(engine, checkpoint, pictures, PROMPTS, TOKENS)
     finally:
