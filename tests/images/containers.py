@@ -141,16 +141,12 @@ class Container:
     the model data mounted read-only at /opt/ml/model, no AWS variables."""
 
     def __init__(
-        self,
-        image: str,
-        model: Path,
-        name: str,
-        env: dict[str, str] | None = None,
-        shm_size: str | None = None,
+        self, image: str, model: Path, name: str, engine: str, env: dict[str, str] | None = None
     ):
         self.image, self.model, self.name = image, model, name
-        self.env = env or {}
-        self.shm = ["--shm-size", shm_size] if shm_size else []
+        vllm = engine == "vllm"  # vLLM's CPU build: its settings here, and a larger /dev/shm
+        self.env = {**(VLLM_CPU_ENV if vllm else {}), **(env or {})}
+        self.shm = ["--shm-size", VLLM_CPU_SHM] if vllm else []
         self.relay: Relay | None = None
 
     def start(self) -> Container:

@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
-from containers import IMAGES, VLLM_CPU_ENV, VLLM_CPU_SHM, Container, docker
+from containers import IMAGES, Container, docker
 from PIL import Image, PngImagePlugin
 
 from llava.api.headers import CLOSED_SESSION_HEADER, NEW_SESSION, NEW_SESSION_HEADER
@@ -47,14 +47,6 @@ class Served:
     @property
     def invocations(self) -> str:
         return self.container.url + "/invocations"
-
-
-def _env(engine: str, **more: str) -> dict[str, str]:
-    return {**(VLLM_CPU_ENV if engine == "vllm" else {}), **more}
-
-
-def _shm(engine: str) -> str | None:
-    return VLLM_CPU_SHM if engine == "vllm" else None
 
 
 def _call(
@@ -103,9 +95,7 @@ def served(
     """One image's container, started as SageMaker starts it, on the S3-prefix layout."""
     front, engine = request.param
     tag = images(front, engine)
-    container = Container(
-        tag, model_data[front, "prefix"], f"llava-test-{front}-{engine}", _env(engine), _shm(engine)
-    )
+    container = Container(tag, model_data[front, "prefix"], f"llava-test-{front}-{engine}", engine)
     served = Served(front, engine, tag, container.start())
     try:
         _watch_start(served)
@@ -315,8 +305,8 @@ def test_a_model_tar_gz_serves_expires_sessions_and_drains_on_docker_stop(
         served.tag,
         model_data[served.front, "tar.gz"],
         f"llava-test-{served.front}-{served.engine}-tgz",
-        _env(served.engine, LLAVA_SESSION_TTL_S=str(TTL_S)),
-        _shm(served.engine),
+        served.engine,
+        {"LLAVA_SESSION_TTL_S": str(TTL_S)},
     ).start()
     try:
         container.wait_healthy()

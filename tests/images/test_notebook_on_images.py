@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from containers import VLLM_CPU_ENV, VLLM_CPU_SHM, Container
+from containers import Container
 from notebook_run import ENDPOINT, QUESTIONS, REGION, ROOT, TOKENS, check_notebook_run, run_notebook
 from oracles import pipeline_answers
 
@@ -34,8 +34,7 @@ def test_the_notebook_deploys_and_chats_through_the_image(
 ) -> None:
     tag = images("torchserve", engine)
     archive = Path(build_archive(SHIPPED, tmp_path / "model-data", name="model"))
-    env, shm = (VLLM_CPU_ENV, VLLM_CPU_SHM) if engine == "vllm" else ({}, None)
-    containers = [Container(tag, archive, f"llava-notebook-{engine}-{i}", env, shm) for i in (0, 1)]
+    containers = [Container(tag, archive, f"llava-notebook-{engine}-{i}", engine) for i in (0, 1)]
     try:
         for container in containers:
             container.start()

@@ -21,7 +21,7 @@ from typing import Any
 
 import boto3
 import pytest
-from containers import IMAGES, VLLM_CPU_ENV, VLLM_CPU_SHM, Container, docker
+from containers import IMAGES, Container, docker
 from helpers import data_uri
 from oracles import pipeline_answers
 from relay import Relay, expose
@@ -83,7 +83,6 @@ class Instance:
 
     def __init__(self, tag: str, model: Path, name: str, engine: str, s3_port: int) -> None:
         env = {
-            **(VLLM_CPU_ENV if engine == "vllm" else {}),
             "LLAVA_SESSION_STORE": f"s3://{BUCKET}/llava-endpoint",
             "LLAVA_SESSION_STORE_ENDPOINT": f"http://127.0.0.1:{STORE_PORT}",
             "LLAVA_DRAIN_GRACE_S": "20",
@@ -92,8 +91,7 @@ class Instance:
             "AWS_SECRET_ACCESS_KEY": "testing",
             "AWS_DEFAULT_REGION": "us-east-1",
         }
-        shm = VLLM_CPU_SHM if engine == "vllm" else None
-        self.container = Container(tag, model, name, env, shm).start()
+        self.container = Container(tag, model, name, engine, env).start()
         pid = int(docker("inspect", "-f", "{{.State.Pid}}", name).strip())
         self.store: Relay = expose(pid, STORE_PORT, ("127.0.0.1", s3_port))
         self.container.wait_healthy()
