@@ -42,6 +42,9 @@ print({RESULT_MARKER!r} + json.dumps({{
     "model_data": MODEL_DATA,
     "objects": [obj["Key"] for obj in objects],
     "deleted": report.deleted,
+    "sdk_session_id": sdk_session_id,
+    "sdk_answer": sdk_answer,
+    "sdk_closed": closed.closed_session_id,
 }}))
 """
 
@@ -142,6 +145,10 @@ def check_notebook_run(
         assert f"Q: {question}" in text
     assert [result["answer"], result["streamed"]] == expected
     assert result["closed"] is True
+    # the same first question through the SageMaker Python SDK's Endpoint.invoke(session_id=...)
+    assert result["sdk_session_id"] not in ("", result["session_id"])
+    assert result["sdk_answer"] == expected[0]
+    assert result["sdk_closed"].split(";")[0].strip() == result["sdk_session_id"]
     assert routes == {}
 
     # cleaned up: endpoint, its config and model gone from moto, the S3 prefix empty

@@ -2,11 +2,13 @@
 headless (nbclient), unmodified, its endpoint the local SageMaker runtime in front of two
 containers of the TorchServe image (as SageMaker runs them), the control plane and S3 on moto's
 server. The notebook's session calls are boto3's `invoke_endpoint` with `SessionId` under the
-kit's `SessionClient`: the client code users copy. Its answers are the engine's own pipeline's.
+kit's `SessionClient`, and the SageMaker Python SDK 3.x's `Endpoint.invoke(session_id=...)`: the
+client code users copy. Its answers are the engine's own pipeline's.
 
-Not the SageMaker Python SDK's local mode: the notebook deploys with boto3 and the kit's own
-`deploy` (as a real deployment does), and what its local mode would start is the same
-`docker run IMAGE serve` that these containers are."""
+Not the SDK's local mode (`LocalSession`): its compose file puts the container on a
+`sagemaker-local` bridge network and publishes 8080 on the host, which this machine's Docker
+(no bridge) cannot do; what it would start is the same `docker run IMAGE serve` with the model
+at /opt/ml/model that these containers are."""
 
 from __future__ import annotations
 
