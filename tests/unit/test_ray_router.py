@@ -121,7 +121,16 @@ def test_new_stats_replace_the_opens_counted_before_them() -> None:
         choose(chosen, request(None))
     reported = Replica(Id("id0"), {"rank": 0, "device_bytes": 400, "sessions": 2})
     chosen._replicas[reported.replica_id] = reported  # id0 reports its two sessions
-    assert chosen._load(reported) == 400
+    assert chosen._load(reported) == (400, 2)
+
+
+def test_on_vllm_with_no_device_bytes_new_sessions_go_where_the_fewest_sessions_are() -> None:
+    # vLLM's sessions hold no device bytes of their own: every replica reports 0
+    chosen = router(replicas((0, 5), (0, 1), (0, 3)))
+    assert choose(chosen, request(None))[0] == ["id1"]
+    chosen = router(replicas((0, 3), (0, 3)))
+    firsts = [choose(chosen, request(None))[0][0] for _ in range(4)]
+    assert sorted(firsts) == ["id0", "id0", "id1", "id1"]
 
 
 def test_a_dead_replicas_session_waits_for_its_replacement_then_goes_anywhere() -> None:

@@ -4,7 +4,8 @@ A request carries its session id as `route` (None for anything that opens or nee
 The id starts with the name of the replica that issued it (`r1xab12cd34-...`: its rank and Ray's
 id for it), so the router needs no shared table. A new session goes to the replica holding the
 fewest device bytes (not the fewest sessions: one long conversation can outweigh many short
-ones), as its routing stats report them, counting the opens sent since.
+ones), then the fewest sessions (on vLLM's engine, whose sessions hold no device bytes of their
+own, the only figure), as its routing stats report them, counting the opens sent since.
 
 A session whose replica is gone waits (with Ray's backoff) for a replica of the same rank: Ray
 gives a replacement the rank of the replica it replaces, the replacement reports it in its
@@ -144,13 +145,16 @@ class SessionAffinityRouter(RequestRouter):
         self._opens[replica_id] = (stats, placed)
         return placed
 
-    def _load(self, replica: RunningReplica) -> float:
-        """Device bytes held, plus a session's average for each open placed since the stats
-        (Ray refreshes the stats it hands a router every second or so, or not yet at all)."""
+    def _load(self, replica: RunningReplica) -> tuple[float, int]:
+        """Device bytes held, then sessions held (what tells replicas apart on vLLM, whose
+        sessions hold no device bytes of their own), each counting the opens placed since the
+        stats at a session's average (Ray refreshes the stats it hands a router every second
+        or so, or not yet at all)."""
         stats = _stats(replica)
-        used = stats.get("device_bytes", 0)
-        average = used / stats["sessions"] if stats.get("sessions") else 1.0
-        return used + len(self._recent(replica.replica_id)) * average
+        used, held = stats.get("device_bytes", 0), stats.get("sessions", 0)
+        recent = len(self._recent(replica.replica_id))
+        average = used / held if held else 0.0
+        return used + recent * average, held + recent
 
 
 def rendezvous(sid: str, replicas: list[RunningReplica]) -> RunningReplica:
