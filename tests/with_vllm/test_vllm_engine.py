@@ -170,3 +170,18 @@ def test_a_dropped_answer_leaves_the_session_at_its_last_finished_turn(family: A
     turn = run(engine, engine.start_turn(state, QUESTIONS[1], params))
     history = [(QUESTIONS[0], first.text, 0)]
     assert turn.generated == oracle.answer(messages(history, QUESTIONS[1], 0), [pic], TOKENS)
+
+
+def test_a_chat_sent_with_several_pictures_is_answered_as_sent(family: Any) -> None:
+    name, engine, oracle, adds_at = family
+    if adds_at is None:
+        pytest.skip(f"{name} was trained on one picture per conversation")
+    first, second = picture(8), picture(9)
+    # what the image threads hand a header-less chat: the last picture prepared with the
+    # earlier ones of the same conversation
+    state = engine.new_session(engine.image_preparer()(second, [first]))
+    assert len(state.images) == state.opening_images == 2
+    chat = messages([], QUESTIONS[2], 1)  # both pictures in the first user message
+    params = GenerationParams(max_new_tokens=TOKENS)
+    turn = run(engine, engine.start_chat(state, chat, params))
+    assert turn.generated == oracle.answer(chat, [first, second], TOKENS)

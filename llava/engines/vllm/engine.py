@@ -42,7 +42,7 @@ from llava.engines.conversation import checks
 from llava.engines.conversation.chat import ChatFormatter, Exchange, Message, common_prefix
 from llava.engines.conversation.text import Detokenizer
 from llava.engines.vllm import snapshot
-from llava.engines.vllm.images import VllmImage, VllmImagePreparer
+from llava.engines.vllm.images import VllmImage, VllmImagePreparer, pictures
 from llava.engines.vllm.requests import Requests
 from llava.engines.vllm.starting import (
     client_errors,
@@ -108,9 +108,10 @@ class VllmEngine:
         return []
 
     def new_session(self, image: Any, system_prompt: str | None = None) -> VllmSession:
-        """Make a session's state from a prepared picture (or none); nothing runs yet."""
+        """Make a session's state from prepared pictures (or none); nothing runs yet."""
         checks.refuse_placeholder(self.chat, system_prompt, "system_prompt")
-        images = () if image is None else (VllmImage.of(image),)
+        images = () if image is None else pictures(image)
+        checks.check_image_count(len(images), self.multi_image, self.config.max_images_per_session)
         return VllmSession(system_prompt, images, self._prefix(system_prompt, len(images)))
 
     def start_open(self, state: VllmSession, answer_follows: bool = False) -> VllmTurn:
@@ -174,8 +175,8 @@ class VllmEngine:
             checks.check_added_image(
                 len(state.images), self.multi_image, self.config.max_images_per_session, refused
             )
-            images = (*images, VllmImage.of(image))
-        added = 0 if image is None else 1
+            images = (*images, *pictures(image))
+        added = len(images) - (len(state.images) if history else state.opening_images)
         past = state.history if history else []
         messages = self.chat.messages(
             state.system_prompt, past, prompt, added, state.opening_images

@@ -41,9 +41,17 @@ class VllmImage:
         return cls(rgb, "sha256:" + digest.hexdigest())
 
 
+def pictures(prepared: Any) -> tuple[VllmImage, ...]:
+    """The pictures a prepared value holds, in order (the preparer's tuple, or one picture)."""
+    if isinstance(prepared, tuple):
+        return tuple(VllmImage.of(image) for image in prepared)
+    return (VllmImage.of(prepared),)
+
+
 class VllmImagePreparer:
     """The image processes' work for this engine: only the RGB conversion and the digest
     (vLLM's processor runs inside the engine, once per picture it has not seen)."""
 
-    def __call__(self, image: Any, earlier: list[Any]) -> VllmImage:
-        return VllmImage.of(image)
+    def __call__(self, image: Any, earlier: list[Any]) -> tuple[VllmImage, ...]:
+        """A conversation's pictures in order: the earlier ones sent with it, then `image`."""
+        return tuple(VllmImage.of(picture) for picture in (*earlier, image))
