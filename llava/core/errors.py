@@ -141,6 +141,14 @@ class EngineRestarting(KitError):
     retry_after_default = 10
 
 
+class EngineFailed(KitError):
+    """The model's engine ended this answer itself (it aborted or failed the request); the
+    session stays at its last finished turn: retry."""
+
+    status, code = 503, "engine_failed"
+    retry_after_default = 1
+
+
 class Cancelled(KitError):
     """The client went away or the session closed while an answer was being generated."""
 

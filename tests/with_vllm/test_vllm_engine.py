@@ -19,7 +19,7 @@ pytest.importorskip("vllm", reason="vLLM runs in its own environment: make test-
 
 from conftest import Oracle, vllm_config  # noqa: E402
 
-from llava.core.errors import ContextLengthExceeded, InvalidRequest  # noqa: E402
+from llava.core.errors import ContextLengthExceeded, EngineFailed, InvalidRequest  # noqa: E402
 from llava.core.params import GenerationParams  # noqa: E402
 from llava.core.paths import CHECKOUT  # noqa: E402
 from llava.tools.tiny.scenes import draw_scene  # noqa: E402
@@ -185,3 +185,37 @@ def test_a_chat_sent_with_several_pictures_is_answered_as_sent(family: Any) -> N
     params = GenerationParams(max_new_tokens=TOKENS)
     turn = run(engine, engine.start_chat(state, chat, params))
     assert turn.generated == oracle.answer(chat, [first, second], TOKENS)
+
+
+@pytest.mark.parametrize("reason", ["abort", "error"])
+def test_an_answer_vllm_ends_itself_is_never_committed(
+    family: Any, reason: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    name, engine, oracle, _ = family
+    if name != "tiny-vllm":
+        pytest.skip("the ending is vLLM's, not the model's: one family shows it")
+    pic = picture(10)
+    state = open_session(engine, pic)
+    params = GenerationParams(max_new_tokens=TOKENS)
+    first = run(engine, engine.start_turn(state, QUESTIONS[0], params))
+    llm = engine.requests.llm
+    real_step = llm.step
+
+    def ending_itself() -> Any:  # vLLM's real outputs, ended as vLLM ends a request itself
+        outputs = real_step()
+        for output in outputs:
+            output.finished = True
+            output.outputs[0].finish_reason = reason
+        return outputs
+
+    monkeypatch.setattr(llm, "step", ending_itself)
+    ended = engine.start_turn(state, "This one vLLM ends", GenerationParams(max_new_tokens=64))
+    errors = engine.step([ended])
+    monkeypatch.undo()
+    assert isinstance(errors.get(0), EngineFailed), errors
+    assert errors[0].status == 503 and reason in str(errors[0])
+    engine.abort_turn(ended)  # what the service does with a failed answer
+    turn = run(engine, engine.start_turn(state, QUESTIONS[1], params))
+    history = [(QUESTIONS[0], first.text, 0)]
+    assert turn.generated == oracle.answer(messages(history, QUESTIONS[1], 0), [pic], TOKENS)
+    assert [e.prompt for e in state.history] == QUESTIONS[:2]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from llava.core.errors import EngineFailed
 from llava.engines.conversation.text import finish_answer, show
 from llava.engines.vllm.state import VllmTurn
 
@@ -64,7 +65,20 @@ class Requests:
             completion = output.outputs[0]
             self._accept(turn, list(completion.token_ids))
             if output.finished and not turn.done:
-                self.finish(turn, "length" if completion.finish_reason == "length" else "stop")
+                self._ended(turn, completion.finish_reason)
+
+    def _ended(self, turn: VllmTurn, reason: str | None) -> None:
+        """End a turn vLLM finished before the kit did: at its length limit or end of answer,
+        an answer; aborted or failed by vLLM itself, a failure (its text is no answer: the
+        service rolls the turn back, and the session stays at its last finished turn)."""
+        if reason in ("abort", "error"):
+            self._running.pop(turn.request_id, None)
+            turn.error = EngineFailed(
+                f"the model's engine ended this answer itself ({reason}); the session is at its "
+                "last finished turn: ask again"
+            )
+            return
+        self.finish(turn, "length" if reason == "length" else "stop")
 
     def _accept(self, turn: VllmTurn, tokens: list[int]) -> None:
         if turn.opening:
