@@ -42,6 +42,7 @@ _ACCEPTED = {
     "n",
     "user",
     "session_id",
+    "cache_salt",
 }
 # Known OpenAI fields the kit does not implement: refused by name rather than ignored.
 _UNSUPPORTED = {
@@ -99,6 +100,9 @@ class ChatCompletion:
     include_usage: bool
     model: str
     session: str | None  # None: no header; NEW_SESSION: open a session; else the session's id
+    # vLLM's field: a tenant's own namespace. A header-less chat reuses only what was held for
+    # chats with the same salt, so one tenant's chats cannot learn what another's held.
+    cache_salt: str | None = None
 
     @property
     def image_key(self) -> str:
@@ -169,6 +173,7 @@ def parse_chat_completion(
         include_usage=_include_usage(obj),
         model=_model(obj),
         session=_session(obj, headers),
+        cache_salt=_cache_salt(obj),
     )
 
 
@@ -293,6 +298,17 @@ def _model(obj: Mapping[str, Any]) -> str:
     if not isinstance(model, str) or len(model) > 256:
         raise InvalidRequest('"model" must be a string', field="model")
     return model
+
+
+def _cache_salt(obj: Mapping[str, Any]) -> str | None:
+    salt = obj.get("cache_salt")
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not 0 < len(salt) <= 256:
+        raise InvalidRequest(
+            '"cache_salt" must be a non-empty string of at most 256 characters', field="cache_salt"
+        )
+    return salt
 
 
 def _session(obj: Mapping[str, Any], headers: Mapping[str, Any]) -> str | None:

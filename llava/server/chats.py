@@ -8,6 +8,7 @@ carries on a held conversation is answered in that conversation's session, which
 it; one that shares only a start with it (a side request over the same history, an edited or
 regenerated answer) is answered in a fork holding the shared prefix, so the original stays as
 it was. Either way only the new tokens are prefilled and the vision tower does not run again.
+Chats sent with a `cache_salt` (a tenant's own) find only what was held for the same salt.
 What is held this way is an ordinary session (`implicit`): under the same budgets and memory
 tiers, evicted least recently used first, and never pinned: an open that finds every slot
 taken ends the oldest idle one.
@@ -15,6 +16,7 @@ taken ends the oldest idle one.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Generic
 
@@ -99,7 +101,7 @@ class ChatDesk(Generic[StateT, TurnT]):
         request, replies = work.request, work.replies
         assert isinstance(request, ChatCompletion) and replies is not None
         prepared, digest = work.image.result()
-        key = self._key(digest, request.system_prompt)
+        key = self._key(digest, request)
         chat = request.chat
         best: tuple[int, bool, Session] | None = None
         for session in self._candidates(key):
@@ -162,16 +164,16 @@ class ChatDesk(Generic[StateT, TurnT]):
 
     def _is_held(self, request: ChatCompletion) -> Callable[[str], bool]:
         """What tells the image threads that a session holds this image (skip preparing it)."""
-        system_prompt = request.system_prompt
 
         def known(digest: str) -> bool:
-            return bool(self._held.get(self._key(digest, system_prompt)))
+            return bool(self._held.get(self._key(digest, request)))
 
         return known
 
     @staticmethod
-    def _key(digest: str, system_prompt: str | None) -> str:
-        return f"{digest}\n{system_prompt or ''}"
+    def _key(digest: str, request: ChatCompletion) -> str:
+        """What a held conversation is found by: its pictures, system prompt and cache salt."""
+        return json.dumps([request.cache_salt, digest, request.system_prompt])
 
 
 def _never_held(digest: str) -> bool:

@@ -225,3 +225,32 @@ def test_a_chat_with_images_in_several_messages_on_a_multi_image_family(several)
     assert completion.choices[0].message.content == reference.chat_answer(chat, urls, TOKENS)
     again = ask(client, chat)  # the same two-image chat re-sent: held, nothing to prepare
     assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+
+
+def test_a_chat_with_another_cache_salt_reuses_nothing_held_for_others(client, reference):
+    """vLLM's `cache_salt` names a tenant: a header-less chat finds only what was held for
+    chats with its own salt, so no tenant learns (by `cached_tokens` or timing) another's."""
+    picture = make_image(307, (44, 58))
+    url = data_uri(picture)
+    chat: list[dict[str, Any]] = [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": [image_part(url), {"type": "text", "text": "What is this?"}]},
+    ]
+    first = ask(client, chat, extra_body={"cache_salt": "tenant-a"})
+    chat += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "Describe the colors."},
+    ]
+    expected = reference.chat_answer(chat, {url: picture}, TOKENS)
+    other = ask(client, chat, extra_body={"cache_salt": "tenant-b"})
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+    assert other.choices[0].message.content == expected
+    unsalted = ask(client, chat)
+    assert unsalted.usage.prompt_tokens_details.cached_tokens == 0
+    same = ask(client, chat, extra_body={"cache_salt": "tenant-a"})
+    assert same.usage.prompt_tokens_details.cached_tokens > 0
+    assert same.choices[0].message.content == expected
+    for bad in ("", 7, "x" * 257):
+        with pytest.raises(openai.BadRequestError) as info:
+            ask(client, chat, extra_body={"cache_salt": bad})
+        assert info.value.body["field"] == "cache_salt"

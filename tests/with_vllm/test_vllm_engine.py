@@ -219,3 +219,25 @@ def test_an_answer_vllm_ends_itself_is_never_committed(
     history = [(QUESTIONS[0], first.text, 0)]
     assert turn.generated == oracle.answer(messages(history, QUESTIONS[1], 0), [pic], TOKENS)
     assert [e.prompt for e in state.history] == QUESTIONS[:2]
+
+
+def test_no_session_hits_another_sessions_prefix_cache(family: Any) -> None:
+    name, engine, oracle, _ = family
+    if name != "tiny-vllm":
+        pytest.skip("the salt is the session's, not the model's: one family shows it")
+    pic = picture(11)
+    params = GenerationParams(max_new_tokens=TOKENS)
+    system = "Answer in one short sentence about the shapes and their colours. " * 6
+    first = open_session(engine, pic, system)  # some full KV blocks (32 tokens on a CPU)
+    asked = run(engine, engine.start_turn(first, QUESTIONS[0], params))
+    assert asked.cached_tokens > 0  # its own open's blocks
+    # another session with the same picture and question (no open of its own): vLLM's shared
+    # prefix cache holds the first one's blocks, but its salt keeps them out of reach
+    other = engine.new_session(engine.image_preparer()(pic, []), system)
+    probe = run(engine, engine.start_turn(other, QUESTIONS[0], params))
+    assert probe.cached_tokens == 0
+    assert probe.generated == asked.generated  # the same answer, computed afresh
+    # a fork (a header-less chat going on from the first) is the same conversation: it hits
+    fork = engine.fork(first, first.prompt_len)
+    again = run(engine, engine.start_turn(fork, QUESTIONS[1], params))
+    assert again.cached_tokens > 0

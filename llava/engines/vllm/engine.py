@@ -210,7 +210,7 @@ class VllmEngine:
 
     def fork(self, state: VllmSession, length: int) -> VllmSession:
         """Return a new session with `state`'s pictures and the first `length` of its ids."""
-        copy = VllmSession(state.system_prompt, state.images, state.prefix_ids)
+        copy = VllmSession(state.system_prompt, state.images, state.prefix_ids, salt=state.salt)
         copy.history, copy.rendered = list(state.history), state.rendered
         copy.ids = state.ids[:length]
         return copy

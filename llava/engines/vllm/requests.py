@@ -32,7 +32,7 @@ class Requests:
         from vllm import SamplingParams, TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        prompt = TokensPrompt(prompt_token_ids=turn.ids)
+        prompt = TokensPrompt(prompt_token_ids=turn.ids, cache_salt=turn.state.salt)
         if turn.images:
             prompt["multi_modal_data"] = {"image": [image.image for image in turn.images]}
             prompt["multi_modal_uuids"] = {"image": [image.uuid for image in turn.images]}

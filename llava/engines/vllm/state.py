@@ -8,6 +8,7 @@ nothing here lives on the device, and committing or undoing a turn is list work.
 
 from __future__ import annotations
 
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,9 @@ class VllmSession:
     prompt_len: int = 0  # ids up to the last committed turn's answer cue
     rendered: Rendered | None = None  # that prompt, for the next turn to extend
     tier: Tier = Tier.FEATURES  # vLLM's prefix cache holds what it holds; the session, the rest
+    # vLLM's `cache_salt`: the session's own namespace in the prefix cache vLLM shares between
+    # requests, so no other session's request can hit (and time, or count) its blocks
+    salt: str = field(default_factory=lambda: secrets.token_hex(16))
 
     @property
     def opening_images(self) -> int:
