@@ -30,6 +30,7 @@ _ZERO_ALLOWED = {
     "whole_answer_s",
     "kv_cache_gb",
     "kv_block_size",
+    "engine_step_timeout_s",
 }
 CACHE_MODES = ("kv", "pixels")
 # "auto": vLLM's engine where vLLM is installed (the GPU images, `make venv-vllm`), else the
@@ -45,12 +46,20 @@ class ServerConfig:
     # The engine behind the sessions (llava/engines/): auto, transformers or vllm
     engine: str = "auto"
     # vLLM's own settings (engine: vllm): the share of each GPU's memory it takes (weights and
-    # its KV cache), the GPUs one model spans (tensor parallel), its KV cache on a CPU machine
-    # (0 = vLLM's default), and eager mode (no CUDA graphs / torch.compile: a faster start).
+    # its KV cache), the GPUs one model spans (tensor parallel), its KV cache in GiB (0 = on a
+    # CPU a quarter of the memory available at start, at most 8 GiB, or VLLM_CPU_KVCACHE_SPACE;
+    # on a GPU what gpu_memory_utilization leaves), and eager mode (no CUDA graphs or
+    # torch.compile: a faster start).
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
     kv_cache_gb: float = 0.0
     enforce_eager: bool = False
+    # A dead engine core starts again after 1, 2, 4, ... s (at most 30); after this many failed
+    # starts in a row the engine has failed: /ping and Ray's health check fail, so the instance
+    # or replica is replaced. A step running longer than engine_step_timeout_s (a hung core)
+    # kills the core, which then starts again (0 = never).
+    engine_restart_attempts: int = 5
+    engine_step_timeout_s: float = 300.0
     # Tokens per block of vLLM's KV cache, the unit its prefix cache finds (0 = 32 on a CPU, where
     # vLLM's own 128 re-prefills more of each follow-up; vLLM's 16 on a GPU).
     kv_block_size: int = 0

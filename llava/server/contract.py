@@ -76,6 +76,12 @@ class Engine(Protocol[StateT, TurnT]):
         """Return the memory the engine holds between steps (stacked batches, allocator cache)."""
         ...
 
+    @property
+    def failure(self) -> str | None:
+        """Why the engine can no longer serve (it failed to start again), else None: the fronts
+        then report the instance unhealthy, so it is replaced."""
+        ...
+
     def release(self, state: StateT) -> None:
         """Free a session's state."""
         ...

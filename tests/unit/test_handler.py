@@ -414,3 +414,28 @@ def test_startup_objects_are_kept_out_of_later_collections() -> None:
         assert not any(id(o) in walked for o in startup)
     finally:
         gc.unfreeze()
+
+
+def test_a_worker_whose_engine_failed_for_good_flushes_its_sessions_then_exits() -> None:
+    """TorchServe then starts a new worker, and /ping answers 503 until one is ready."""
+    import subprocess
+    import sys
+
+    script = """
+import threading, types
+from llava.fronts.torchserve.handler import exit_when_engine_fails
+engine = types.SimpleNamespace(failure=None)
+drained = lambda grace: print("drained", grace, flush=True)
+instance = types.SimpleNamespace(service=types.SimpleNamespace(engine=engine), drain=drained)
+exit_when_engine_fails(instance, period_s=0.01)
+print("serving", flush=True)
+engine.failure = "vLLM's engine did not start again in 5 tries"
+threading.Event().wait(30)
+print("still serving", flush=True)
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 1, done.stderr
+    assert done.stdout.split() == ["serving", "drained", "0.0"]
+    assert "did not start again" in done.stderr

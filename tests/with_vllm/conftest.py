@@ -128,8 +128,11 @@ def expected_text(
     return str(oracle.processor.tokenizer.decode(ids, skip_special_tokens=True))
 
 
-def kill_under_stream(client: Any, url: str, sid: str, pid: int) -> list[dict[str, Any]]:
-    """Stream a long answer, kill `pid` (SIGKILL) once it has begun; return its JSON lines."""
+def kill_under_stream(
+    client: Any, url: str, sid: str, pid: int, sig: int | None = None
+) -> list[dict[str, Any]]:
+    """Stream a long answer, send `pid` `sig` (SIGKILL) once it has begun; return its JSON
+    lines."""
     import json
     import signal
     import threading
@@ -151,7 +154,7 @@ def kill_under_stream(client: Any, url: str, sid: str, pid: int) -> list[dict[st
     streamer = threading.Thread(target=stream)
     streamer.start()
     assert started.wait(60)
-    os.kill(pid, signal.SIGKILL)
+    os.kill(pid, signal.SIGKILL if sig is None else sig)
     streamer.join(120)
     return lines
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,12 @@ pytest.importorskip("vllm", reason="vLLM runs in its own environment: make test-
 
 from conftest import Oracle, vllm_config  # noqa: E402
 
-from llava.core.errors import ContextLengthExceeded, EngineFailed, InvalidRequest  # noqa: E402
+from llava.core.errors import (  # noqa: E402
+    ContextLengthExceeded,
+    EngineFailed,
+    EngineRestarting,
+    InvalidRequest,
+)
 from llava.core.params import GenerationParams  # noqa: E402
 from llava.core.paths import CHECKOUT  # noqa: E402
 from llava.tools.tiny.scenes import draw_scene  # noqa: E402
@@ -241,3 +247,60 @@ def test_no_session_hits_another_sessions_prefix_cache(family: Any) -> None:
     fork = engine.fork(first, first.prompt_len)
     again = run(engine, engine.start_turn(fork, QUESTIONS[1], params))
     assert again.cached_tokens > 0
+
+
+def test_an_engine_that_cannot_start_again_backs_off_then_reports_its_failure(
+    built: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    from llava.engines.vllm import VllmEngine
+
+    config = vllm_config(engine_restart_attempts=3, engine_step_timeout_s=0)
+    engine = VllmEngine.load(built("tiny-vllm"), config)
+    state = open_session(engine, picture(12))
+    assert engine.failure is None
+    tries: list[float] = []
+
+    def cannot_start() -> Any:  # as a start on a dead device fails
+        tries.append(time.monotonic())
+        raise RuntimeError("no device")
+
+    def dead() -> Any:  # as vLLM's step under a dead engine core raises
+        raise EngineDeadError()
+
+    monkeypatch.setattr(engine, "_start", cannot_start)
+    monkeypatch.setattr(engine.requests.llm, "step", dead)
+    turn = engine.start_turn(state, QUESTIONS[0], GenerationParams(max_new_tokens=TOKENS))
+    errors = engine.step([turn])
+    assert isinstance(errors.get(0), EngineRestarting)
+    restart = engine._restart
+    assert restart is not None
+    restart.join(30)
+    assert len(tries) == 3
+    gaps = [b - a for a, b in zip(tries, tries[1:], strict=False)]
+    assert gaps[0] >= 0.9 and gaps[1] >= 1.9, gaps  # 1 s, then 2 s between tries
+    assert engine.failure is not None and "3 tries" in engine.failure
+    assert "no device" in engine.failure
+    with pytest.raises(EngineRestarting):  # still 503 for every request
+        engine.start_turn(state, QUESTIONS[1], GenerationParams(max_new_tokens=TOKENS))
+
+
+def test_on_a_cpu_vllms_kv_cache_fits_beside_other_programs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM's CPU backend would reserve 0.9 of all the machine's memory and refuse to start
+    beside other programs; the kit asks for a quarter of what is available, at most 8 GiB."""
+    import psutil
+
+    from llava.engines.vllm.starting import engine_args
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    args = engine_args(CHECKOUT / "models" / "shapes", vllm_config())
+    available = psutil.virtual_memory().available
+    assert 0 < args.kv_cache_memory_bytes <= min(available // 4, 8 * 2**30)
+    assert args.kv_cache_memory_bytes >= min(available // 5, 8 * 2**30 - 2**20)
+    args = engine_args(CHECKOUT / "models" / "shapes", vllm_config(kv_cache_gb=1.5))
+    assert args.kv_cache_memory_bytes == int(1.5 * 2**30)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")  # vLLM's own setting, as it reads it
+    assert engine_args(CHECKOUT / "models" / "shapes", vllm_config()).kv_cache_memory_bytes is None

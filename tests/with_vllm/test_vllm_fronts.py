@@ -30,6 +30,7 @@ from llava.tools.tiny.scenes import draw_scene  # noqa: E402
 
 SHAPES = CHECKOUT / "models" / "shapes"
 TOKENS = 8
+STEP_TIMEOUT_S = 8  # a step of the tiny model takes milliseconds here
 QUESTIONS = ["What colour is the circle?", "And the other one?", "How many shapes are there?"]
 
 
@@ -42,7 +43,11 @@ def oracle() -> Oracle:
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TorchServe]:
     store = tmp_path_factory.mktemp("store")
     build_archive(SHAPES, store, name="llava")
-    env = {**KIT_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # the core in its own process
+    env = {
+        **KIT_ENV,
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1",  # the core in its own process
+        "LLAVA_ENGINE_STEP_TIMEOUT_S": str(STEP_TIMEOUT_S),
+    }
     with TorchServe(store, "llava", workdir=tmp_path_factory.mktemp("ts"), env=env) as ts:
         yield ts
 
@@ -117,6 +122,26 @@ def test_a_killed_engine_core_costs_no_finished_turn(server: TorchServe, oracle:
         r = until_engine_back(client, url, sid, body)
         assert r.status_code == 200, r.text
         # The session carried on from its last finished turn: the cut answer left no trace.
+        assert r.json()["text"] == expected(oracle, [(QUESTIONS[0], first)], QUESTIONS[1], pic)
+        assert not core.is_running()
+
+
+def test_a_hung_engine_core_is_killed_and_costs_no_finished_turn(
+    server: TorchServe, oracle: Oracle
+) -> None:
+    """SIGSTOP of vLLM's engine core mid-answer: the step waiting on it would wait for ever;
+    the kit's watchdog kills the core after `engine_step_timeout_s`, and it starts again."""
+    url = server.url("/predictions/llava")
+    pic = picture(16)
+    with httpx.Client(timeout=120) as client:
+        sid = open_session(client, url, data_uri(pic))
+        first = ask(client, url, sid, QUESTIONS[0], max_new_tokens=TOKENS)["text"]
+        core = engine_core(server)
+        lines = kill_under_stream(client, url, sid, core.pid, signal.SIGSTOP)
+        assert lines and lines[-1].get("error", {}).get("code") == "engine_restarting", lines[-3:]
+        body = {"type": "query", "prompt": QUESTIONS[1], "max_new_tokens": TOKENS}
+        r = until_engine_back(client, url, sid, body)
+        assert r.status_code == 200, r.text
         assert r.json()["text"] == expected(oracle, [(QUESTIONS[0], first)], QUESTIONS[1], pic)
         assert not core.is_running()
 

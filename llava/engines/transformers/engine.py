@@ -329,6 +329,12 @@ class LlavaEngine:
         the device budget leaves): prefill chunks are cut to fit (`workspace.py`)."""
         self.runner.decoder.workspace_reserve = reserve
 
+    @property
+    def failure(self) -> None:
+        """None: this engine runs in the worker, so what kills it kills the worker, which its
+        front restarts."""
+        return None
+
     @staticmethod
     def out_of_memory(exc: BaseException) -> bool:
         """Tell a device out-of-memory error (worth a retry once memory is freed)."""

@@ -28,6 +28,7 @@ import json
 import logging
 import re
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -50,10 +51,13 @@ from llava.engines.vllm.starting import (
     engine_metrics,
     release_reaper,
     start_engine,
+    watch_steps,
 )
 from llava.engines.vllm.state import VllmSession, VllmTurn
 
 log = logging.getLogger(__name__)
+
+MAX_BACKOFF_S = 30.0  # the longest wait between two tries to start a dead engine again
 
 
 class VllmEngine:
@@ -78,10 +82,13 @@ class VllmEngine:
         self.multi_image = family.multi_image(text_model)
         self.max_context = self.requests.max_model_len
         self.restarts = 0
+        self._failure: str | None = None
         self._restart: threading.Thread | None = None
         self._dead = engine_dead_error()
         self._refusals = client_errors()
         self._ids = itertools.count()
+        if config.engine_step_timeout_s:
+            watch_steps(self.requests, config.engine_step_timeout_s)
 
     @classmethod
     def load(cls, model_dir: str | Path, config: ServerConfig) -> VllmEngine:
@@ -318,26 +325,39 @@ class VllmEngine:
         self._restart.start()
 
     def _restart_engine(self) -> None:
+        """Start a new engine, after 1, 2, 4, ... s between failed tries; after
+        `engine_restart_attempts` of them the engine has failed (`failure`), and requests keep
+        getting 503 while the front reports the instance unhealthy."""
         old = self.requests.llm
         try:
             old.engine_core.shutdown()
         except Exception:  # it is dead already; whatever is left is freed with it
             log.debug("shutting the dead engine down failed", exc_info=True)
         release_reaper(old)  # whatever of the old core still runs is killed
-        while True:
+        attempts = self.config.engine_restart_attempts
+        for attempt in range(attempts):
+            if attempt:
+                delay = min(2.0 ** (attempt - 1), MAX_BACKOFF_S)
+                log.warning("starting vLLM's engine again in %.0f s (try %d)", delay, attempt + 1)
+                time.sleep(delay)
             try:
                 self.requests.replace(self._start())
                 break
-            except Exception:
-                log.exception("starting vLLM's engine again failed; retrying")
+            except Exception as exc:
+                log.exception("starting vLLM's engine again failed")
+                error = f"{type(exc).__name__}: {exc}"
+        else:
+            self._failure = f"vLLM's engine did not start again in {attempts} tries ({error})"
+            log.critical("%s: this instance can no longer answer", self._failure)
+            return
         self.restarts += 1
         self._restart = None
         log.info("vLLM's engine is back; sessions carry on from their last finished turn")
 
     @property
-    def ready(self) -> bool:
-        """Tell whether the engine takes requests (False while it restarts)."""
-        return self._restart is None
+    def failure(self) -> str | None:
+        """Why the engine can no longer serve (it did not start again), else None."""
+        return self._failure
 
     def stats(self) -> dict[str, int]:
         """Return vLLM's own figures (from its Prometheus registry) and the kit's restarts."""

@@ -22,6 +22,9 @@ class Requests:
         self.llm = llm
         self.eos_ids = eos_ids
         self._running: dict[str, VllmTurn] = {}
+        self.step_started: float | None = (
+            None  # when the step in progress began (a watchdog reads it)
+        )
 
     @property
     def max_model_len(self) -> int:
@@ -55,7 +58,12 @@ class Requests:
             running.delta = ""
         if not self.llm.has_unfinished_requests():
             return
-        for output in self.llm.step():
+        self.step_started = time.monotonic()
+        try:
+            outputs = self.llm.step()
+        finally:
+            self.step_started = None
+        for output in outputs:
             turn = self._running.get(output.request_id)
             if turn is None:  # aborted meanwhile
                 continue

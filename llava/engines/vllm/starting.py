@@ -35,7 +35,7 @@ def engine_args(model_dir: Path, config: ServerConfig) -> Any:
         enforce_eager=config.enforce_eager,
         gpu_memory_utilization=config.gpu_memory_utilization,
         tensor_parallel_size=config.tensor_parallel_size,
-        kv_cache_memory_bytes=int(config.kv_cache_gb * 2**30) or None,
+        kv_cache_memory_bytes=kv_cache_bytes(config.kv_cache_gb, current_platform.is_cpu()),
         enable_prefix_caching=True,
         block_size=block_size(config.kv_block_size, current_platform.is_cpu()),
         limit_mm_per_prompt={"image": config.max_images_per_session},
@@ -44,6 +44,24 @@ def engine_args(model_dir: Path, config: ServerConfig) -> Any:
         generation_config="vllm",
         disable_log_stats=False,
     )
+
+
+CPU_KV_CACHE_MAX = 8 * 2**30
+
+
+def kv_cache_bytes(configured_gb: float, on_cpu: bool) -> int | None:
+    """The KV cache to ask vLLM for: as configured, else on a CPU a quarter of the memory
+    available now, at most 8 GiB (vLLM's CPU backend otherwise reserves
+    `gpu_memory_utilization` of all the machine's memory, and will not start beside other
+    programs), unless VLLM_CPU_KVCACHE_SPACE says; else vLLM's (its share of each GPU)."""
+    if configured_gb:
+        return int(configured_gb * 2**30)
+    if not on_cpu or os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        return None
+    import psutil
+
+    quarter = psutil.virtual_memory().available // 4
+    return min(quarter, CPU_KV_CACHE_MAX) // 2**20 * 2**20
 
 
 def block_size(configured: int, on_cpu: bool) -> int | None:
@@ -129,6 +147,41 @@ def watch_engine_core(llm: Any) -> None:
         outputs.put_nowait(EngineDeadError())
 
     threading.Thread(target=watch, name="llava-vllm-core-watch", daemon=True).start()
+
+
+def watch_steps(requests: Any, timeout_s: float) -> None:
+    """Kill the engine core under a step that has run for over `timeout_s` (a hung core: a
+    stopped process, a stuck kernel), so its death is noticed and it starts again.
+
+    A thread reads when the step in progress began (`requests.step_started`) once a second, or
+    four times per timeout if shorter. A core in the worker's own process cannot be killed
+    alone: a hang there is reported once and left to the front."""
+    import contextlib
+    import signal
+    import threading
+    import time
+
+    period = min(1.0, timeout_s / 4)
+
+    def watch() -> None:
+        killed: set[int] = set()
+        while True:
+            time.sleep(period)
+            started, llm = requests.step_started, requests.llm
+            if started is None or time.monotonic() - started < timeout_s or id(llm) in killed:
+                continue
+            killed.add(id(llm))
+            processes = core_processes(llm)
+            log.error(
+                "a step of vLLM's engine has run for over %.0f s: %s",
+                timeout_s,
+                "killing its engine core" if processes else "its core is in this process",
+            )
+            for process in processes:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, signal.SIGKILL)
+
+    threading.Thread(target=watch, name="llava-vllm-step-watch", daemon=True).start()
 
 
 def engine_dead_error() -> type[BaseException]:

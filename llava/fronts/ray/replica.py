@@ -128,9 +128,13 @@ class LlavaReplica:
         return True
 
     def check_health(self) -> None:
-        """Fail Ray's health check when the step loop has died (Ray then replaces the replica)."""
+        """Fail Ray's health check when the step loop has died or the engine has failed for good
+        (Ray then replaces the replica; its sessions resume from snapshots or the store)."""
         if not self.loop.alive:
             raise RuntimeError(f"replica {self.name}: the step loop is not running")
+        failure = self.instance.service.engine.failure
+        if failure is not None:
+            raise RuntimeError(f"replica {self.name}: {failure}")
 
     def __del__(self) -> None:
         """Graceful shutdown (Ray has let the requests in flight finish): take nothing new,

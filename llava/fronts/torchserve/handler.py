@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 from http import HTTPStatus
 from pathlib import Path
 from typing import Any
@@ -47,6 +49,24 @@ def _phrase(status: int) -> str:
         return HTTPStatus(status).phrase
     except ValueError:
         return "Client Closed Request" if status == 499 else "Error"
+
+
+def exit_when_engine_fails(instance: Any, period_s: float = 1.0) -> None:
+    """End the worker once its engine has failed for good (`Engine.failure`): TorchServe starts
+    a new worker, and /ping answers 503 until one is ready, so SageMaker replaces an instance
+    whose engine cannot start. Sessions are flushed first; they resume from their snapshots
+    (or the shared store) wherever they are asked next."""
+
+    def watch() -> None:
+        while (failure := instance.service.engine.failure) is None:
+            time.sleep(period_s)
+        log.critical("the engine failed (%s): this worker exits for a new one", failure)
+        try:
+            instance.drain(0.0)
+        finally:
+            os._exit(1)
+
+    threading.Thread(target=watch, name="llava-engine-health", daemon=True).start()
 
 
 class SessionHandler:
@@ -84,6 +104,7 @@ class SessionHandler:
         )
         self.service, self.gauges = instance.service, Gauges(instance)
         on_sigterm(lambda: instance.drain(config.drain_grace_s))
+        exit_when_engine_fails(instance)
         freeze_startup_objects()
         log.info("llava handler ready: %s", config)
 
