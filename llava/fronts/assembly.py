@@ -115,6 +115,26 @@ def open_shared_store(config: ServerConfig, name: str) -> Any:
     )
 
 
+def vllm_host_budget(config: ServerConfig) -> int | None:
+    """The host memory vLLM's sessions (their pictures) may hold: `host_budget_mb`, else half
+    of what is available once vLLM has started (as the transformers engine derives it)."""
+    from llava.sessions.memory import available_host_bytes, host_budget
+
+    if config.host_budget_bytes is not None:
+        return config.host_budget_bytes
+    available = available_host_bytes()
+    if available is None:
+        return None
+    budget = host_budget(available)
+    log.info(
+        "host budget derived: %.1f GiB available -> %.1f GiB for sessions' pictures "
+        "(set host_budget_mb to override)",
+        available / 2**30,
+        budget / 2**30,
+    )
+    return budget
+
+
 def load_engine(model_dir: Path, config: ServerConfig) -> tuple[Any, Any, Any, Any]:
     """Start the configured engine (torch and vLLM are imported here only); return it, its
     memory tiers, the transformers engine's decoder (None on vLLM) and the engine's figures."""
@@ -128,7 +148,8 @@ def load_engine(model_dir: Path, config: ServerConfig) -> tuple[Any, Any, Any, A
 
         vllm_engine = VllmEngine.load(model_dir, config)
         engine = vllm_engine  # vLLM sizes its own cache; sessions keep pictures on the host
-        return engine, TieredMemory(vllm_engine, None, None), None, vllm_engine.stats
+        memory = TieredMemory(vllm_engine, None, vllm_host_budget(config))
+        return engine, memory, None, vllm_engine.stats
     from llava.engines.transformers import LlavaEngine, set_torch_threads
     from llava.engines.transformers.model.budget import derive_budgets
 

@@ -5,10 +5,13 @@ added or finishes a turn. The device budget holds per card: a session's cache ca
 the card it is on, so each card's sessions are kept within it on their own. Each step down
 frees memory at a price paid only if the session comes back: a copy back to the device, or
 recomputing its prefix from the kept image features (the answers stay the same either way).
+On vLLM's engine a session holds no device memory of its own: its pictures are on the host,
+under the host budget, and past it the least recently used idle sessions are evicted.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Protocol
 
 from llava.core.tiers import Tier
@@ -22,6 +25,22 @@ class TierMover(Protocol):
     def offload(self, state: Any) -> int: ...
     def drop_cache(self, state: Any) -> int: ...
     def card(self, state: Any) -> int: ...
+
+
+def host_budget(available_bytes: int) -> int:
+    """Return the bytes offloaded caches, image features and pictures may hold in host memory."""
+    return available_bytes // 2
+
+
+def available_host_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """Return the kernel's MemAvailable, or None where it cannot be read."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 class TieredMemory:

@@ -72,3 +72,16 @@ def test_a_step_may_allocate_half_the_reserve_of_the_fullest_card(
     assert derived.workspace == GIB // 2  # 8 GiB free: 1 GiB reserved, half for the forward
     assert workspace_budget(60 * GIB) == 3 * GIB  # a large card: 10% reserved
     assert derive_budgets([torch.device("cpu")], None, None).workspace is None
+
+
+def test_vllms_sessions_get_a_host_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Their pictures live on the host: without a budget a few large uploads could fill it."""
+    from llava.core.config import ServerConfig
+    from llava.fronts.assembly import vllm_host_budget
+    from llava.sessions import memory
+
+    monkeypatch.setattr(memory, "available_host_bytes", lambda: 10 * GIB)
+    assert vllm_host_budget(ServerConfig(engine="vllm")) == 5 * GIB
+    assert vllm_host_budget(ServerConfig(engine="vllm", host_budget_mb=64)) == 64 * 2**20
+    monkeypatch.setattr(memory, "available_host_bytes", lambda: None)
+    assert vllm_host_budget(ServerConfig(engine="vllm")) is None

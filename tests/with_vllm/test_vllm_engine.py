@@ -304,3 +304,35 @@ def test_on_a_cpu_vllms_kv_cache_fits_beside_other_programs(
     assert args.kv_cache_memory_bytes == int(1.5 * 2**30)
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")  # vLLM's own setting, as it reads it
     assert engine_args(CHECKOUT / "models" / "shapes", vllm_config()).kv_cache_memory_bytes is None
+
+
+def test_sessions_pictures_are_held_to_the_host_budget(family: Any) -> None:
+    """A vLLM session keeps its pictures on the host: past the host budget the least recently
+    used idle sessions are evicted, so a few large uploads cannot take the worker's memory."""
+    from PIL import Image
+
+    from llava.core.errors import SessionExpired
+    from llava.sessions.memory import TieredMemory
+    from llava.sessions.store import SessionStore
+
+    name, engine, _, _ = family
+    if name != "tiny-vllm":
+        pytest.skip("the budget is the sessions', not the model's: one family shows it")
+    evicted: list[str] = []
+    big = 1000 * 1000 * 3  # a 1000x1000 picture's RGB bytes
+    store = SessionStore(
+        memory=TieredMemory(engine, None, int(2.5 * big)),
+        release=lambda session, reason: evicted.append(f"{session.id}:{reason}"),
+    )
+    ids = []
+    for colour in ("red", "green", "blue"):
+        state = engine.new_session(
+            engine.image_preparer()(Image.new("RGB", (1000, 1000), colour), [])
+        )
+        assert state.host_bytes >= big
+        session = store.add(store.reserve(), state, state.nbytes)
+        ids.append(session.id)
+    assert evicted == [f"{ids[0]}:evicted"]  # the oldest idle one went; two fit
+    with pytest.raises(SessionExpired, match="evicted"):
+        store.get(ids[0])
+    assert [store.get(sid).id for sid in ids[1:]] == ids[1:]

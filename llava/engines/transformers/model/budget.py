@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
+
+from llava.sessions.memory import available_host_bytes, host_budget
 
 log = logging.getLogger(__name__)
 
@@ -50,22 +51,6 @@ def device_budget(free_bytes: int) -> int:
 def workspace_budget(free_bytes: int) -> int:
     """Return the bytes one step's forward may allocate on a device with `free_bytes` free."""
     return activation_reserve(free_bytes) // 2
-
-
-def host_budget(available_bytes: int) -> int:
-    """Return the bytes offloaded caches and image features may hold in host memory."""
-    return available_bytes // 2
-
-
-def available_host_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
-    """Return the kernel's MemAvailable, or None where it cannot be read."""
-    try:
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 def derive_budgets(
