@@ -336,3 +336,42 @@ def test_sessions_pictures_are_held_to_the_host_budget(family: Any) -> None:
     with pytest.raises(SessionExpired, match="evicted"):
         store.get(ids[0])
     assert [store.get(sid).id for sid in ids[1:]] == ids[1:]
+
+
+def test_a_front_slower_than_the_engine_gets_its_outputs_merged_not_queued(
+    built: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's engine core steps on its own (its own process): a front that takes three of its
+    steps per step of its own must get every output made meanwhile at once, merged per request,
+    not one step's a time (a lag that would grow through the answer)."""
+    from llava.engines.vllm import VllmEngine
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # the core in its own process
+    checkpoint = built("tiny-vllm")
+    engine = VllmEngine.load(checkpoint, vllm_config())
+    oracle_ = Oracle(Path(checkpoint))
+    try:
+        pic = picture(14)
+        state = open_session(engine, pic)
+        tokens = 48
+        params = GenerationParams(max_new_tokens=tokens)
+        quick = engine.start_turn(state, QUESTIONS[0], params, history=False)
+        run(engine, quick)
+        assert quick.first_token_at is not None and quick.finished_at is not None
+        engine_step = (quick.finished_at - quick.first_token_at) / (len(quick.generated) - 1)
+        slow = engine.start_turn(state, QUESTIONS[0], params, history=False)
+        delivered: list[int] = []
+        while not slow.done:
+            time.sleep(3 * engine_step)  # the front's own work, three engine steps long
+            assert not engine.step([slow])
+            delivered.append(len(slow.generated))
+        engine.finish_turn(slow)
+        want = oracle_.answer(messages([], QUESTIONS[0], 0), [pic], tokens)
+        assert quick.generated == slow.generated == want
+        assert len(slow.generated) == tokens
+        per_step = [b - a for a, b in zip([0, *delivered], delivered, strict=False)]
+        # one output per front step would take `tokens` steps; merged, about a third of them
+        assert len(delivered) <= tokens // 2, (engine_step, per_step)
+        assert max(per_step) >= 3, per_step
+    finally:
+        engine.requests.llm.engine_core.shutdown()

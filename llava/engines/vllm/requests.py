@@ -15,6 +15,13 @@ from llava.engines.conversation.text import finish_answer, show
 from llava.engines.vllm.state import VllmTurn
 
 
+def queued(llm: Any) -> int:
+    """Count the engine core's step outputs waiting for the front (0 with an in-process core,
+    which steps only when asked)."""
+    waiting = getattr(llm.engine_core, "outputs_queue", None)
+    return waiting.qsize() if waiting is not None else 0
+
+
 class Requests:
     """Hold vLLM's engine and the turn of each request it runs."""
 
@@ -53,16 +60,27 @@ class Requests:
         self._running[turn.request_id] = turn
 
     def step(self) -> None:
-        """Run one engine step and give each output to its turn."""
+        """Run one engine step and give each output to its turn; then take, merged into this
+        step's deltas, every step's outputs the engine core made meanwhile (it steps on its own,
+        in its own process: a front slower than it must not fall further behind each step)."""
         for running in self._running.values():
             running.delta = ""
         if not self.llm.has_unfinished_requests():
             return
+        self._take(self._step())
+        for _ in range(queued(self.llm)):
+            if not self._running:
+                break
+            self._take(self._step())
+
+    def _step(self) -> Any:
         self.step_started = time.monotonic()
         try:
-            outputs = self.llm.step()
+            return self.llm.step()
         finally:
             self.step_started = None
+
+    def _take(self, outputs: Any) -> None:
         for output in outputs:
             turn = self._running.get(output.request_id)
             if turn is None:  # aborted meanwhile
