@@ -186,3 +186,22 @@ def test_one_replica_per_model_copy(gpus: float, per_replica: int, replicas: int
     from llava.fronts.ray.app import default_replicas
 
     assert default_replicas(gpus, per_replica) == replicas
+
+
+def test_a_replica_fails_rays_health_check_once_its_engine_failed_for_good() -> None:
+    """Ray then replaces it (on vLLM: an engine core that did not start again)."""
+    from types import SimpleNamespace
+
+    from llava.fronts.ray.replica import LlavaReplica
+
+    replica = LlavaReplica.__new__(LlavaReplica)
+    engine = SimpleNamespace(failure=None)
+    replica.name, replica.loop = "r0xabc", SimpleNamespace(alive=True)
+    replica.instance = SimpleNamespace(service=SimpleNamespace(engine=engine))  # type: ignore[assignment]
+    replica.check_health()  # healthy
+    engine.failure = "vLLM's engine did not start again in 5 tries (RuntimeError: no device)"
+    with pytest.raises(RuntimeError, match="r0xabc: vLLM's engine did not start again"):
+        replica.check_health()
+    engine.failure, replica.loop.alive = None, False
+    with pytest.raises(RuntimeError, match="step loop is not running"):
+        replica.check_health()
