@@ -23,6 +23,8 @@ ARG BASE_IMAGE=763104351884.dkr.ecr.${REGION}.amazonaws.com/ray:serve-ml-sagemak
 # extra pins 0.12.0).
 FROM ${BASE_IMAGE} AS ready-ping
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+COPY docker/check_base.sh /tmp/
+RUN /tmp/check_base.sh
 # The JDK from the base's own package manager, unpinned as the Java below (the distribution's
 # patches are the point); it never reaches the image.
 # hadolint ignore=DL3008,DL3041
@@ -44,6 +46,8 @@ FROM ${BASE_IMAGE}
 
 # Fail a RUN when any command of a pipeline fails, not only the last one.
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+COPY docker/check_base.sh /opt/llava-sessions/
+RUN /opt/llava-sessions/check_base.sh
 
 # --- Java for TorchServe's frontend -------------------------------------------------------------
 # TorchServe 0.12.0's frontend is Java (17, the release it is built and tested with). The Ray

@@ -1000,3 +1000,25 @@ def test_ray_constraints_require_the_base_s_ray_torch_and_transformers() -> None
         required=helper.REQUIRED_RAY,
     )
     assert lines == ["torch==2.9.0", "ray==2.55.1"] and missing == ["transformers"]
+
+
+def test_a_base_image_without_what_the_dockerfiles_need_is_named_at_once(tmp_path: Path) -> None:
+    """docker/check_base.sh, the first step of each image: python with pip, dnf or apt-get."""
+    import sys
+
+    script = REPO / "docker" / "check_base.sh"
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    (bare / "bash").symlink_to(shutil.which("bash") or "/bin/bash")
+    refused = subprocess.run(
+        [str(bare / "bash"), str(script)], env={"PATH": str(bare)}, capture_output=True, text=True
+    )
+    assert refused.returncode == 1
+    assert (
+        "python on PATH, pip for that python, a package manager (dnf or apt-get)" in refused.stderr
+    )
+    (bare / "python").symlink_to(sys.executable)
+    (bare / "apt-get").symlink_to(shutil.which("true") or "/bin/true")
+    assert (
+        subprocess.run([str(bare / "bash"), str(script)], env={"PATH": str(bare)}).returncode == 0
+    )
