@@ -3,7 +3,6 @@ every engine, so an answer reads the same whichever engine produced it."""
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from typing import Any, Protocol
@@ -14,14 +13,20 @@ from llava.core.params import GenerationParams
 class Detokenizer:
     """Decode generated ids incrementally so the deltas add up to a one-shot decode.
 
-    Each call decodes the whole answer so far (cheap next to a forward pass). Text is held back
-    while it could still change: after a byte-fallback token (`<0xE2>`: a run of them decodes
-    as one UTF-8 sequence, or as U+FFFD per byte if invalid) and while it ends in U+FFFD.
+    Each id decodes a window of the last few ids only, as vLLM's and TGI's detokenizers do
+    (the text of `ids[prefix:]` less that of `ids[prefix:read]`: the ids before `read` give the
+    new ones their context, a leading space included), so a token costs the same however long
+    the answer is. Text is held back while it could still change: after a byte-fallback token
+    (`<0xE2>`: a run of them decodes as one UTF-8 sequence, or as U+FFFD per byte if invalid)
+    and while it ends in U+FFFD. At the end the whole answer is decoded once, and whatever that
+    adds to the text shown is the last delta.
     """
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
         self._ids: list[int] = []
+        self._prefix = 0  # where the context window starts
+        self._read = 0  # the ids before it are in `text`
         self._byte_ids: dict[int, bool] = {}
         self.text = ""  # the text emitted so far; the whole answer once flushed
 
@@ -30,19 +35,26 @@ class Detokenizer:
         self._ids.append(token_id)
         if self._is_byte(token_id):
             return ""
-        return self._advance(final=False)
+        before = self._decode(self._ids[self._prefix : self._read])
+        after = self._decode(self._ids[self._prefix :])
+        if len(after) <= len(before) or after.endswith("\ufffd") or not after.startswith(before):
+            return ""
+        delta = after[len(before) :]
+        self._prefix, self._read = self._read, len(self._ids)
+        self.text += delta
+        return delta
 
     def flush(self) -> str:
         """Return whatever text is still held back at the end of the answer."""
-        return self._advance(final=True)
-
-    def _advance(self, *, final: bool) -> str:
-        text = self._tokenizer.decode(self._ids, skip_special_tokens=True)
-        if not final and (text.endswith("\ufffd") or not text.startswith(self.text)):
+        whole = self._decode(self._ids)
+        if not whole.startswith(self.text):  # never taken back: what was shown stays
             return ""
-        same = len(os.path.commonprefix([text, self.text]))
-        delta, self.text = text[same:], text
+        delta, self.text = whole[len(self.text) :], whole
+        self._prefix = self._read = len(self._ids)
         return delta
+
+    def _decode(self, ids: list[int]) -> str:
+        return str(self._tokenizer.decode(ids, skip_special_tokens=True)) if ids else ""
 
     def _is_byte(self, token_id: int) -> bool:
         known = self._byte_ids.get(token_id)
@@ -55,13 +67,19 @@ class Detokenizer:
 _BYTE_TOKEN = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
 
 
-def visible_text(text: str, stops: tuple[str, ...], *, final: bool) -> tuple[str, bool]:
+def visible_text(
+    text: str, stops: tuple[str, ...], *, final: bool, checked: int = 0
+) -> tuple[str, bool]:
     """Return the part of an answer that may be shown, and whether a stop string ended it.
 
     The answer is cut before the first stop string; until the answer ends, a tail that could
-    still grow into one is held back, so no streamed text is ever taken back.
+    still grow into one is held back, so no streamed text is ever taken back. `checked`: the
+    length of a start already searched (shown, so holding no stop string); only what follows
+    it, and the stop strings that could end in it, is searched again.
     """
-    cuts = [at for stop in stops if (at := text.find(stop)) >= 0]
+    longest = max((len(stop) for stop in stops), default=0)
+    start = max(checked - longest + 1, 0)
+    cuts = [at for stop in stops if (at := text.find(stop, start)) >= 0]
     if cuts:
         return text[: min(cuts)], True
     if final or not stops:
@@ -87,7 +105,8 @@ class Answer(Protocol):
 def show(answer: Answer, *, final: bool) -> bool:
     """Extend an answer's shown text and this step's delta; return True if it reached a stop
     string."""
-    shown, stopped = visible_text(answer.detokenizer.text, answer.params.stop, final=final)
+    stops, text = answer.params.stop, answer.detokenizer.text
+    shown, stopped = visible_text(text, stops, final=final, checked=len(answer.text))
     answer.delta += shown[len(answer.text) :]
     answer.text = shown
     return stopped
