@@ -118,7 +118,7 @@ def open_shared_store(config: ServerConfig, name: str) -> Any:
 def vllm_host_budget(config: ServerConfig) -> int | None:
     """The host memory vLLM's sessions (their pictures) may hold: `host_budget_mb`, else half
     of what is available once vLLM has started (as the transformers engine derives it)."""
-    from llava.sessions.memory import available_host_bytes, host_budget
+    from llava.core.hostmem import available_host_bytes, host_budget
 
     if config.host_budget_bytes is not None:
         return config.host_budget_bytes

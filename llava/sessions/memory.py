@@ -11,7 +11,6 @@ under the host budget, and past it the least recently used idle sessions are evi
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Protocol
 
 from llava.core.tiers import Tier
@@ -25,22 +24,6 @@ class TierMover(Protocol):
     def offload(self, state: Any) -> int: ...
     def drop_cache(self, state: Any) -> int: ...
     def card(self, state: Any) -> int: ...
-
-
-def host_budget(available_bytes: int) -> int:
-    """Return the bytes offloaded caches, image features and pictures may hold in host memory."""
-    return available_bytes // 2
-
-
-def available_host_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
-    """Return the kernel's MemAvailable, or None where it cannot be read."""
-    try:
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 class TieredMemory:

@@ -76,9 +76,9 @@ def test_a_step_may_allocate_half_the_reserve_of_the_fullest_card(
 
 def test_vllms_sessions_get_a_host_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     """Their pictures live on the host: without a budget a few large uploads could fill it."""
+    from llava.core import hostmem as memory
     from llava.core.config import ServerConfig
     from llava.fronts.assembly import vllm_host_budget
-    from llava.sessions import memory
 
     monkeypatch.setattr(memory, "available_host_bytes", lambda: 10 * GIB)
     assert vllm_host_budget(ServerConfig(engine="vllm")) == 5 * GIB

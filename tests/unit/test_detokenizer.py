@@ -3,15 +3,17 @@ token that does not grow with the answer, and stop strings searched only where t
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from llava.engines.conversation.text import Detokenizer, visible_text
 from llava.tools.tiny.tokenizers import train_llama_tokenizer, train_qwen_tokenizer
 
+EXAMPLES = int(os.environ.get("LLAVA_DETOKENIZER_EXAMPLES", "300"))  # fixed examples in CI
 TOKENIZERS = {"sentencepiece-style": train_llama_tokenizer(), "byte-level": train_qwen_tokenizer()}
 
 
@@ -20,6 +22,8 @@ class Counting:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer, self.lengths = tokenizer, []
+        self.all_special_ids = tokenizer.all_special_ids
+        self.added_tokens_decoder = tokenizer.added_tokens_decoder
 
     def decode(self, ids: list[int], **kw: Any) -> str:
         self.lengths.append(len(ids))
@@ -39,7 +43,7 @@ def streamed(tokenizer: Any, ids: list[int]) -> tuple[list[str], Counting]:
 
 
 @pytest.mark.parametrize("name", list(TOKENIZERS))
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True)
 @given(text=st.text(min_size=0, max_size=80))
 def test_deltas_of_any_text_add_up_to_its_one_shot_decode(name: str, text: str) -> None:
     tokenizer = TOKENIZERS[name]
@@ -48,13 +52,16 @@ def test_deltas_of_any_text_add_up_to_its_one_shot_decode(name: str, text: str) 
     assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=True)
 
 
+IDS = st.lists(st.integers(0, min(len(t) for t in TOKENIZERS.values()) - 1), max_size=60)
+
+
 @pytest.mark.parametrize("name", list(TOKENIZERS))
-@settings(max_examples=150, deadline=None)
-@given(data=st.data())
-def test_deltas_of_any_ids_add_up_to_their_one_shot_decode(name: str, data: Any) -> None:
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True)
+@given(ids=IDS)
+@example(ids=[3, 0, 131])  # a byte, a skipped special id, a byte: one run of bytes
+def test_deltas_of_any_ids_add_up_to_their_one_shot_decode(name: str, ids: list[int]) -> None:
     """Random ids (special and byte-fallback ones included), as a sampled answer may hold."""
     tokenizer = TOKENIZERS[name]
-    ids = data.draw(st.lists(st.integers(0, len(tokenizer) - 1), max_size=60))
     deltas, _ = streamed(tokenizer, ids)
     whole = tokenizer.decode(ids, skip_special_tokens=True)
     assert "".join(deltas) == whole

@@ -3,6 +3,7 @@ every engine, so an answer reads the same whichever engine produced it."""
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from typing import Any, Protocol
@@ -17,9 +18,10 @@ class Detokenizer:
     (the text of `ids[prefix:]` less that of `ids[prefix:read]`: the ids before `read` give the
     new ones their context, a leading space included), so a token costs the same however long
     the answer is. Text is held back while it could still change: after a byte-fallback token
-    (`<0xE2>`: a run of them decodes as one UTF-8 sequence, or as U+FFFD per byte if invalid)
-    and while it ends in U+FFFD. At the end the whole answer is decoded once, and whatever that
-    adds to the text shown is the last delta.
+    (`<0xE2>`: a run of them decodes as one UTF-8 sequence, or as U+FFFD per byte if invalid),
+    after a special id (skipped, it does not end such a run) and while it ends in U+FFFD. Where
+    the window decodes otherwise than the text shown, the whole answer decides; at the end the
+    whole answer is decoded once, and what it adds to the text shown is the last delta.
     """
 
     def __init__(self, tokenizer: Any) -> None:
@@ -28,29 +30,39 @@ class Detokenizer:
         self._prefix = 0  # where the context window starts
         self._read = 0  # the ids before it are in `text`
         self._byte_ids: dict[int, bool] = {}
+        self._special = special_ids(tokenizer)
         self.text = ""  # the text emitted so far; the whole answer once flushed
 
     def add(self, token_id: int) -> str:
         """Append one id; return the text it completes (possibly empty)."""
         self._ids.append(token_id)
-        if self._is_byte(token_id):
-            return ""
+        if self._is_byte(token_id) or token_id in self._special:
+            return ""  # a special id adds no text: a run of bytes may go on past it
         before = self._decode(self._ids[self._prefix : self._read])
         after = self._decode(self._ids[self._prefix :])
-        if len(after) <= len(before) or after.endswith("\ufffd") or not after.startswith(before):
-            return ""
-        delta = after[len(before) :]
-        self._prefix, self._read = self._read, len(self._ids)
-        self.text += delta
-        return delta
+        if after.startswith(before):
+            if len(after) <= len(before) or after.endswith("\ufffd"):
+                return ""
+            return self._emit(after[len(before) :])
+        # the window decodes differently from the text shown (ids that merge across it): the
+        # whole answer decides, once
+        whole = self._decode(self._ids)
+        if whole.startswith(self.text) and not whole.endswith("\ufffd"):
+            return self._emit(whole[len(self.text) :])
+        return ""
 
     def flush(self) -> str:
-        """Return whatever text is still held back at the end of the answer."""
+        """Return whatever text is still held back at the end of the answer (if the whole
+        answer decodes to other text than was shown, what differs from it)."""
         whole = self._decode(self._ids)
-        if not whole.startswith(self.text):  # never taken back: what was shown stays
-            return ""
-        delta, self.text = whole[len(self.text) :], whole
+        same = len(os.path.commonprefix([whole, self.text]))
+        delta, self.text = whole[same:], whole
         self._prefix = self._read = len(self._ids)
+        return delta
+
+    def _emit(self, delta: str) -> str:
+        self._prefix, self._read = self._read, len(self._ids)
+        self.text += delta
         return delta
 
     def _decode(self, ids: list[int]) -> str:
@@ -62,6 +74,15 @@ class Detokenizer:
             piece = self._tokenizer.convert_ids_to_tokens(token_id)
             known = self._byte_ids[token_id] = bool(_BYTE_TOKEN.match(str(piece)))
         return known
+
+
+def special_ids(tokenizer: Any) -> set[int]:
+    """The ids a decode with `skip_special_tokens` leaves out: the named special tokens and
+    the tokens added as special (an image placeholder)."""
+    ids = set(getattr(tokenizer, "all_special_ids", None) or ())
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    ids.update(i for i, token in added.items() if getattr(token, "special", False))
+    return ids
 
 
 _BYTE_TOKEN = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llava.sessions.memory import available_host_bytes, host_budget
+from llava.core.hostmem import available_host_bytes, host_budget
 
 log = logging.getLogger(__name__)
 
