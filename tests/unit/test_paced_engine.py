@@ -3,15 +3,21 @@ answer per step, every answer to its length, the kit's detokenizer making the te
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
 from llava.core.params import GenerationParams
 from llava.tools.tiny.tokenizers import train_llama_tokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-from paced import TEXT, PacedEngine  # noqa: E402
+# Loaded by its path: bench/ on sys.path would shadow packages with its scripts' names (ray).
+_spec = importlib.util.spec_from_file_location(
+    "bench_paced", Path(__file__).resolve().parents[2] / "bench" / "paced.py"
+)
+assert _spec is not None and _spec.loader is not None
+paced = sys.modules["bench_paced"] = importlib.util.module_from_spec(_spec)  # its dataclasses
+_spec.loader.exec_module(paced)
+TEXT, PacedEngine = paced.TEXT, paced.PacedEngine
 
 
 def test_each_step_gives_every_running_answer_one_token() -> None:
