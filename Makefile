@@ -29,7 +29,7 @@ S3_URI         ?=
 ECR_REPOSITORY ?=
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: help venv venv-vllm dev archive serve stop chat test test-ray test-images test-vllm test-gpu bench-gpu lint clean bench build-and-push deploy delete local-endpoint stress
+.PHONY: help venv venv-vllm dev archive serve stop chat test test-ray test-images test-vllm test-vllm-integration test-gpu bench-gpu lint clean bench build-and-push deploy delete local-endpoint stress
 
 help:
 	@echo "make serve   serve MODEL=$(MODEL) on 127.0.0.1:8080 with TorchServe (FRONT=ray: Ray Serve, REPLICAS=N; ENGINE=vllm|transformers)"
@@ -130,6 +130,7 @@ test: venv lint venv-vllm
 	$(PYTEST) --ignore=tests/images
 	$(RAY_TESTS)
 	unshare -n sh -c 'ip link set lo up && LLAVA_NETNS=1 $(VLLM_PYTEST)'
+	$(VLLM_INTEGRATION)
 	$(IMAGES_PYTEST) $(IMAGES_IN_TEST)
 
 test-ray: venv
@@ -161,6 +162,15 @@ venv-vllm: $(VLLM_VENV)/.installed
 
 test-vllm: venv-vllm
 	$(VLLM_PYTEST)
+
+# The integration suite again, on the engine users run: every server the tests start serves
+# vLLM's CPU build (LLAVA_TEST_ENGINE=vllm: tests/engine_under_test.py), each answer held to
+# vLLM's own offline generate; a test that concerns one engine only says why in its skip reason,
+# and the pass ends with the count of each. Ray Serve runs too, so in a private network namespace.
+VLLM_INTEGRATION = unshare -n sh -c 'ip link set lo up && LLAVA_NETNS=1 LLAVA_TEST_ENGINE=vllm \
+	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider -rs tests/integration'
+test-vllm-integration: venv-vllm
+	$(VLLM_INTEGRATION)
 
 # On a CUDA machine: 7B-shaped checkpoints built on the GPU in bf16, checked against transformers'
 # own pipeline (tests/gpu) and, where vLLM's GPU wheel is installed, the vLLM engine beside the

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from engine_under_test import profile
 
 
 @pytest.fixture(scope="session")
@@ -13,7 +14,7 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Build the random-weight tiny LLaVA checkpoint offline."""
     from llava.tools.tiny import build_checkpoint
 
-    return build_checkpoint(tmp_path_factory.mktemp("models") / "tiny", profile="tiny")
+    return build_checkpoint(tmp_path_factory.mktemp("models") / "tiny", profile=profile("tiny"))
 
 
 @pytest.fixture(scope="session")
@@ -21,7 +22,9 @@ def byte_level_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """tiny's shapes with a byte-level BPE tokenizer (Qwen2, ChatML): the other tokenizer kind."""
     from llava.tools.tiny import build_checkpoint
 
-    return build_checkpoint(tmp_path_factory.mktemp("models") / "interleave", profile="interleave")
+    return build_checkpoint(
+        tmp_path_factory.mktemp("models") / "interleave", profile=profile("interleave")
+    )
 
 
 @pytest.fixture(scope="module", params=["sentencepiece", "byte_level"])

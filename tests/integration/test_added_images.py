@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from conftest import assert_no_worker_death, serving_profile
+from engine_under_test import oracle
 from helpers import Reference, ask, data_uri, make_image, open_session, post
 
 from llava.fronts.torchserve.launcher import TorchServe
@@ -69,7 +70,7 @@ def test_a_broken_added_image_fails_its_query_alone(served, client):
 
 def test_a_single_image_model_refuses_an_added_image(server, tiny_checkpoint):
     url = server.url("/predictions/llava")
-    reference = Reference(tiny_checkpoint)
+    reference = oracle(tiny_checkpoint)
     opening = make_image(95)
     with httpx.Client(timeout=60) as client:
         sid = open_session(client, url, data_uri(opening))

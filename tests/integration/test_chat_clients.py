@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 from conftest import serving_profile
+from engine_under_test import oracle
 from helpers import Reference, data_uri, make_image
 
 pytestmark = pytest.mark.integration
@@ -25,7 +26,7 @@ TOKENS = 8
 
 @pytest.fixture(scope="module")
 def reference(tiny_checkpoint) -> Reference:
-    return Reference(tiny_checkpoint)
+    return oracle(tiny_checkpoint)
 
 
 @pytest.fixture(scope="module")

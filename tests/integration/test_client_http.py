@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from helpers import Reference, data_uri, make_image
+from engine_under_test import oracle
+from helpers import data_uri, make_image
 
 from llava.client import Session, SessionClient
 from llava.core.errors import InvalidRequest, SessionClosed, SessionNotFound
@@ -15,7 +16,7 @@ PROMPTS = ["What is in the picture?", "Which colors?"]
 
 @pytest.fixture(scope="module")
 def reference(tiny_checkpoint):
-    return Reference(tiny_checkpoint)
+    return oracle(tiny_checkpoint)
 
 
 @pytest.mark.parametrize("route", ["/predictions/llava", "/invocations"])

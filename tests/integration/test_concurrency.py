@@ -11,7 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from conftest import assert_no_worker_death, start_server
-from helpers import Reference, ask, data_uri, make_image, open_session, post
+from engine_under_test import oracle
+from helpers import ask, data_uri, make_image, open_session, post
 
 from llava.api.headers import SESSION_HEADER
 
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def reference(tiny_checkpoint):
-    return Reference(tiny_checkpoint)
+    return oracle(tiny_checkpoint)
 
 
 def test_interleaved_sessions_each_keep_their_own_conversation(server, reference):

@@ -17,6 +17,7 @@ from typing import Any
 
 import openai
 import pytest
+from engine_under_test import oracle
 from helpers import Reference, chromium, launch, make_image
 from PIL import Image
 
@@ -98,7 +99,7 @@ def first_divergence(reference: Reference, a: list[Any], b: list[Any]) -> int:
 
 
 def test_gradio_load_chat_in_a_real_browser(app_url, tiny_checkpoint, tmp_path):
-    reference = Reference(tiny_checkpoint)
+    reference = oracle(tiny_checkpoint)
     picture = tmp_path / "picture.png"
     make_image(306, (64, 48)).save(picture)
     Recorder.sent.clear()

@@ -16,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from conftest import assert_no_worker_death
-from helpers import Reference, data_uri, make_image, post
+from engine_under_test import oracle
+from helpers import data_uri, make_image, post
 
 pytestmark = pytest.mark.integration
 
@@ -59,7 +60,7 @@ def test_concurrent_sessions_answer_exactly_as_alone(server, tiny_checkpoint) ->
         results = {seed: f.result(timeout=600) for seed, f in futures.items()}
     wall = time.perf_counter() - started
 
-    reference = Reference(tiny_checkpoint)
+    reference = oracle(tiny_checkpoint)
     checked = 0
     for seed, (answers, statuses) in results.items():
         assert all(s == 200 for s in statuses), statuses

@@ -18,7 +18,8 @@ import pytest
 from botocore.config import Config
 from botocore.exceptions import ClientError
 from conftest import running_servers
-from helpers import Reference, data_uri, make_image
+from engine_under_test import oracle
+from helpers import data_uri, make_image
 
 from llava.client import EndpointError, SessionClient
 from llava.core.errors import InvalidRequest
@@ -32,7 +33,7 @@ TOKENS = 8
 
 @pytest.fixture(scope="module")
 def reference(tiny_checkpoint):
-    return Reference(tiny_checkpoint)
+    return oracle(tiny_checkpoint)
 
 
 @pytest.fixture(scope="module", params=["torchserve", "ray"])

@@ -5,7 +5,8 @@ from __future__ import annotations
 import httpx
 import pytest
 from conftest import assert_no_worker_death, start_server
-from helpers import Reference, ask, data_uri, make_image, open_session, post
+from engine_under_test import oracle
+from helpers import ask, data_uri, make_image, open_session, post
 
 pytestmark = pytest.mark.integration
 
@@ -18,7 +19,7 @@ def test_sessions_move_down_the_tiers_and_answers_stay_correct(
     ts = start_server(
         model_store, tmp_path, LLAVA_DEVICE_BUDGET_MB="0.03", LLAVA_HOST_BUDGET_MB="0.02"
     )
-    reference = Reference(tiny_checkpoint)
+    reference = oracle(tiny_checkpoint)
     try:
         url = ts.url("/predictions/llava")
         images = [make_image(70 + i) for i in range(6)]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from conftest import running_servers
-from helpers import Reference
+from engine_under_test import oracle
 
 from llava.fronts.local_runtime.server import LocalRuntime
 from llava.fronts.torchserve.launcher import TorchServe
@@ -89,5 +89,5 @@ def test_notebook_deploys_chats_and_cleans_up(
 
     result, text = run_notebook(moto_url, runtime.url, tiny_checkpoint)
     image = Image.open(ROOT / "examples" / "sample.png").convert("RGB")
-    expected = Reference(tiny_checkpoint).answers(image, QUESTIONS, TOKENS)
+    expected = oracle(tiny_checkpoint).answers(image, QUESTIONS, TOKENS)
     check_notebook_run(result, text, moto_url, expected, runtime.routes)

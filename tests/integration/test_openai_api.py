@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from engine_under_test import oracle
 from helpers import Reference, data_uri, make_image
 
 from llava.api.headers import NEW_SESSION, NEW_SESSION_HEADER, SESSION_HEADER
@@ -33,7 +34,7 @@ def client(front) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def reference(tiny_checkpoint) -> Reference:
-    return Reference(tiny_checkpoint)
+    return oracle(tiny_checkpoint)
 
 
 def messages(image_url: str, past: list[tuple[str, str]], prompt: str) -> list[dict[str, Any]]:

@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import served
+from engine_under_test import oracle
 from helpers import Reference, ask, data_uri, make_image, open_session, post
 
 from llava.api.headers import SESSION_HEADER
@@ -34,7 +35,7 @@ TOKENS = 8
 
 @pytest.fixture(scope="module")
 def reference(tiny_checkpoint) -> Reference:
-    return Reference(tiny_checkpoint)
+    return oracle(tiny_checkpoint)
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,7 @@ import boto3
 import httpx
 import pytest
 from conftest import start_server, two_node_front
+from engine_under_test import oracle
 from helpers import Reference, ask, data_uri, make_image, open_session
 
 from llava.client import SessionClient
@@ -42,7 +43,7 @@ TOKENS = 6
 
 @pytest.fixture(scope="module")
 def reference(tiny_checkpoint: Path) -> Reference:
-    return Reference(tiny_checkpoint)
+    return oracle(tiny_checkpoint)
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from engine_under_test import VLLM_SERVER_ENV
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: starts in seconds
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -27,70 +28,24 @@ def vllm_config(**overrides: Any) -> Any:
 
 
 class Oracle:
-    """vLLM's own offline `generate` on a whole conversation: the `engine: vllm` oracle.
-
-    Shares nothing with the kit's session: the conversation is rendered with the processor's
-    chat template and tokenized whole by the tokenizer, each picture sent under its content id
-    (one placeholder each; vLLM expands it), greedy, with no prefix cache."""
+    """vLLM's own offline `generate` on a whole conversation (vllm_reference.VllmReference),
+    called with the messages first and answering with token ids, as the engine tests compare."""
 
     def __init__(self, checkpoint: Path, dtype: str = "float32", **engine: Any) -> None:
-        from vllm import LLM
+        from vllm_reference import VllmReference
 
-        from llava.engines.checkpoint import load_processor  # AutoProcessor, less any video part
-
-        self.processor = load_processor(checkpoint)
-        self.llm = LLM(
-            model=str(checkpoint),
-            dtype=dtype,
-            enforce_eager=True,
-            max_model_len=1024,
-            seed=0,
-            enable_prefix_caching=False,
-            limit_mm_per_prompt={"image": 8},
-            **engine,
-        )
-        self.eos = self.processor.tokenizer.eos_token_id
+        self.reference = VllmReference(checkpoint, dtype, **engine)
+        self.processor = self.reference.processor
+        self.llm = self.reference.llm
 
     def answer(self, messages: list[dict[str, Any]], pictures: list[Any], tokens: int) -> list[int]:
         """Return the greedy answer's ids (without the end-of-answer id)."""
-        return self._generate(messages, pictures, tokens, None)[0]
+        return list(self.reference.greedy(pictures, messages, tokens).tokens)
 
     def greedy(self, messages: list[dict[str, Any]], pictures: list[Any], tokens: int) -> Any:
         """Return the greedy answer with each step's top tokens (a `helpers.Greedy`), for
         answers computed in bf16, where near-ties may fall either way."""
-        from helpers import TOP_K, Greedy
-
-        ids, top = self._generate(messages, pictures, tokens, TOP_K)
-        text = str(self.processor.tokenizer.decode(ids, skip_special_tokens=True))
-        return Greedy(ids, top, text)
-
-    def _generate(
-        self, messages: list[dict[str, Any]], pictures: list[Any], tokens: int, top: int | None
-    ) -> tuple[list[int], list[list[int]]]:
-        import hashlib
-
-        from vllm import SamplingParams
-
-        text = self.processor.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
-        )
-        ids = self.processor.tokenizer(text)["input_ids"]
-        request: dict[str, Any] = {"prompt_token_ids": ids}
-        if pictures:
-            rgb = [p.convert("RGB") for p in pictures]
-            request["multi_modal_data"] = {"image": rgb}
-            request["multi_modal_uuids"] = {
-                "image": ["sha256:" + hashlib.sha256(p.tobytes()).hexdigest() for p in rgb]
-            }
-        sampling = SamplingParams(temperature=0, max_tokens=tokens, logprobs=top)
-        [out] = self.llm.generate([request], sampling)
-        answer = list(out.outputs[0].token_ids)
-        ranked = [
-            sorted(step, key=lambda t: step[t].rank)[:top] for step in out.outputs[0].logprobs or []
-        ]
-        if answer and answer[-1] == self.eos:
-            return answer[:-1], ranked[:-1]
-        return answer, ranked
+        return self.reference.greedy(pictures, messages, tokens)
 
 
 @pytest.fixture(scope="session")
@@ -109,13 +64,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 # The kit on vLLM in tests' servers: eager, float32, a small KV cache.
-KIT_ENV = {
-    "LLAVA_ENGINE": "vllm",
-    "LLAVA_DTYPE": "float32",
-    "LLAVA_ENFORCE_EAGER": "true",
-    "LLAVA_MAX_CONTEXT_TOKENS": "1024",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-}
+KIT_ENV = VLLM_SERVER_ENV
 
 
 def expected_text(

