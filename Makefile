@@ -130,7 +130,7 @@ test: venv lint venv-vllm
 	$(PYTEST) --ignore=tests/images
 	$(RAY_TESTS)
 	unshare -n sh -c 'ip link set lo up && LLAVA_NETNS=1 $(VLLM_PYTEST)'
-	$(VLLM_INTEGRATION)
+	$(call VLLM_INTEGRATION,$(VLLM_INTEGRATION_IN_TEST))
 	$(IMAGES_PYTEST) $(IMAGES_IN_TEST)
 
 test-ray: venv
@@ -140,9 +140,10 @@ test-ray: venv
 # release), built on a stand-in for AWS's base (docker/standin/build.sh: Debian, debootstrap) and
 # run as SageMaker runs them, on `--network none` (tests/images; Debian's Docker engine, which the
 # tests start with no bridge when none runs). `make test` runs IMAGES_IN_TEST of them, for its
-# time: every image's checks, the notebook and sessions outliving containers on vLLM's engine.
+# time: the images users deploy, on vLLM's engine (every check, the notebook, sessions outliving
+# containers); `make test-images` builds and runs the transformers images too.
 IMAGES_PYTEST = $(PYTEST) tests/images
-IMAGES_IN_TEST ?= -k "not (transformers and (outlive or notebook))"
+IMAGES_IN_TEST ?= -k "not transformers"
 test-images: venv venv-vllm
 	$(IMAGES_PYTEST)
 
@@ -167,10 +168,15 @@ test-vllm: venv-vllm
 # vLLM's CPU build (LLAVA_TEST_ENGINE=vllm: tests/engine_under_test.py), each answer held to
 # vLLM's own offline generate; a test that concerns one engine only says why in its skip reason,
 # and the pass ends with the count of each. Ray Serve runs too, so in a private network namespace.
+# `make test` runs VLLM_INTEGRATION_IN_TEST of it for CI's time (exact answers, the session and
+# OpenAI APIs on both fronts, every chat client, added pictures); `make test-vllm-integration`
+# runs it all (about 40 min here).
 VLLM_INTEGRATION = unshare -n sh -c 'ip link set lo up && LLAVA_NETNS=1 LLAVA_TEST_ENGINE=vllm \
-	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider -rs tests/integration'
+	LLAVA_GPU_LOGIC=cpu $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider -rfEs $(1)'
+VLLM_INTEGRATION_IN_TEST ?= $(addprefix tests/integration/test_,$(addsuffix .py,exact_answers \
+	sessions_api openai_api chat_clients added_images))
 test-vllm-integration: venv-vllm
-	$(VLLM_INTEGRATION)
+	$(call VLLM_INTEGRATION,tests/integration)
 
 # On a CUDA machine: 7B-shaped checkpoints built on the GPU in bf16, checked against transformers'
 # own pipeline (tests/gpu) and, where vLLM's GPU wheel is installed, the vLLM engine beside the

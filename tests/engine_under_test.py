@@ -24,11 +24,38 @@ VLLM_SERVER_ENV = {
     "LLAVA_ENFORCE_EAGER": "true",
     "LLAVA_MAX_CONTEXT_TOKENS": "2048",  # as the tiny profiles and the reference
     "VLLM_CPU_KVCACHE_SPACE": "1",
+    # A quarter GiB of KV space per engine (half a million tokens of a tiny profile): the vLLM
+    # pass holds several servers and oracles at once in this machine's memory.
+    "LLAVA_KV_CACHE_GB": "0.25",
 }
 
+# What an engine's cache reuses comes in units: the reference's, a token; vLLM's prefix cache,
+# a whole block (32 tokens on a CPU: LLAVA_KV_BLOCK_SIZE's default there).
+KV_BLOCK = 32 if ON_VLLM else 1
 # The most of a prompt its engine feeds again though it has seen all of it: the reference only
-# the last token; vLLM's prefix cache holds whole blocks (32 tokens on a CPU), the rest is fed.
-REFED_TAIL = 32 if ON_VLLM else 1
+# the last token, vLLM up to a block.
+REFED_TAIL = KV_BLOCK
+
+
+def reusable(seen: int) -> int:
+    """How many of `seen` tokens (computed for the conversation before) a turn finds cached:
+    all of them on the reference, their whole blocks on vLLM."""
+    return seen // KV_BLOCK * KV_BLOCK
+
+
+def least_reused(prompt: int) -> int:
+    """The least a follow-up must find cached of the turn before it, whose prompt (the picture
+    and every earlier turn) was `prompt` tokens: every unit of it (a token on the reference, a
+    block on vLLM) but the last, where the earlier answer, rendered as text after it, may
+    tokenize otherwise than it was generated."""
+    return max(reusable(prompt) - KV_BLOCK, 1)
+
+
+def assert_reused(earlier: dict[str, Any], later: dict[str, Any]) -> None:
+    """A follow-up's usage shows it reused what the turn before it was asked."""
+    prompt = int(earlier["cached_tokens"] + earlier["prefill_tokens"])
+    assert later["cached_tokens"] >= least_reused(prompt), (prompt, earlier, later)
+
 
 if ON_VLLM:  # every server a test starts inherits these (the launchers pass os.environ on)
     os.environ.update(VLLM_SERVER_ENV)

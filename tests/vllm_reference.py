@@ -14,6 +14,8 @@ from typing import Any, ClassVar
 from helpers import TOP_K, Greedy, Reference
 
 MAX_MODEL_LEN = 2048  # as the servers' LLAVA_MAX_CONTEXT_TOKENS (engine_under_test)
+KEPT = 2  # offline engines kept started at once
+ORACLE_KV = 2**28  # a quarter GiB of KV space: half a million tokens of a tiny profile
 
 
 @contextmanager
@@ -68,11 +70,19 @@ class VllmReference(Reference):
 
     @classmethod
     def on(cls, checkpoint: Path, dtype: str = "float32") -> VllmReference:
-        """One offline engine per checkpoint for the whole run (each holds its own KV space)."""
+        """The offline engine on a checkpoint, kept for the next test that asks; only the last
+        two stay started (each holds its engine's memory), the others are shut down."""
         key = (str(Path(checkpoint).resolve()), dtype)
         if key not in cls._loaded:
-            cls._loaded[key] = cls(Path(checkpoint), dtype)
+            while len(cls._loaded) >= KEPT:
+                cls._loaded.pop(next(iter(cls._loaded))).shutdown()
+            cls._loaded[key] = cls(Path(checkpoint), dtype, kv_cache_memory_bytes=ORACLE_KV)
+        cls._loaded[key] = cls._loaded.pop(key)  # the most recently used goes last
         return cls._loaded[key]
+
+    def shutdown(self) -> None:
+        """Stop the engine core (and its process) now rather than at exit."""
+        self.llm.llm_engine.engine_core.shutdown()
 
     def greedy(
         self, images: list[Any], messages: list[dict[str, Any]], max_new_tokens: int

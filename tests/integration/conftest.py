@@ -155,6 +155,7 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     reasons: dict[str, int] = {}
     for report in stats.get("skipped", []):
         reason = str(report.longrepr[2]) if isinstance(report.longrepr, tuple) else "skipped"
-        reasons[reason.removeprefix("Skipped: ")] = reasons.get(reason, 0) + 1
+        reason = reason.removeprefix("Skipped: ")
+        reasons[reason] = reasons.get(reason, 0) + 1
     for reason, n in sorted(reasons.items(), key=lambda item: -item[1]):
         terminalreporter.write_line(f"  skipped {n:3d}: {reason}")

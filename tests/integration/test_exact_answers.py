@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from conftest import serving_profile
+from engine_under_test import ON_VLLM, assert_reused
 from helpers import Reference, ask, data_uri, make_image, open_session
 
 from llava.fronts.torchserve.launcher import TorchServe
@@ -53,8 +54,9 @@ def test_four_turns_equal_the_pipeline_with_and_without_a_system_prompt(served, 
         got = [body["text"] for body in bodies]
         assert got == reference.answers(image, PROMPTS, TOKENS, system_prompt)
         assert len(set(got)) > 1  # a degenerate model would prove nothing
-        for body in bodies[1:]:  # follow-ups reuse the cache: never the image again
-            assert body["usage"]["cached_tokens"] > bodies[0]["usage"]["cached_tokens"] > 0
+        assert bodies[0]["usage"]["cached_tokens"] > 0  # the opening prefilled the image
+        for earlier, later in zip(bodies, bodies[1:], strict=False):  # never the image again
+            assert_reused(earlier["usage"], later["usage"])
 
 
 def test_history_false_answers_from_the_image_alone_between_turns(served, client):
@@ -105,10 +107,11 @@ def test_concurrent_sessions_with_different_image_token_counts(served, client):
     for image, bodies in zip(images, results, strict=True):
         assert [b["text"] for b in bodies] == reference.answers(image, PROMPTS[:3], TOKENS)
     opening = {b[0]["usage"]["cached_tokens"] + b[0]["usage"]["prefill_tokens"] for b in results}
-    if reference.model.config.model_type != "llava":
+    if type(reference.processor).__name__ != "LlavaProcessor":
         assert len(opening) > 1  # anyres: the images took different numbers of tokens
     for seed in range(4):  # newer sessions push the first ones past the device budget
         open_session(client, url, data_uri(make_image(30 + seed, SIZES[seed % 3])))
     follow = ask(client, url, sids[0], PROMPTS[3], max_new_tokens=TOKENS)
-    assert follow["usage"]["session_tier"] == "host"
+    if not ON_VLLM:  # vLLM keeps keys and values in its own cache: no tiers of the kit's
+        assert follow["usage"]["session_tier"] == "host"
     assert follow["text"] == reference.answers(images[0], PROMPTS, TOKENS)[3]

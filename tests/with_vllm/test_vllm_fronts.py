@@ -60,41 +60,6 @@ def expected(oracle: Oracle, history: list[tuple[str, str]], question: str, pic:
     return expected_text(oracle, history, question, pic, TOKENS)
 
 
-def test_sessions_over_http_answer_as_vllm_does(server: TorchServe, oracle: Oracle) -> None:
-    url = server.url("/predictions/llava")
-    pic = picture(11)
-    history: list[tuple[str, str]] = []
-    with httpx.Client(timeout=120) as client:
-        sid = open_session(client, url, data_uri(pic))
-        for question in QUESTIONS:
-            reply = ask(client, url, sid, question, max_new_tokens=TOKENS)
-            assert reply["text"] == expected(oracle, history, question, pic)
-            history.append((question, reply["text"]))
-        bad = post(client, url, {"type": "query", "prompt": "<image> hi"}, sid)
-        assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_request"
-        assert post(client, url, {"type": "close_session"}, sid).status_code == 200
-
-
-def test_the_openai_sdk_streams_a_chat(server: TorchServe, oracle: Oracle) -> None:
-    from openai import OpenAI
-
-    pic = picture(12)
-    sdk = OpenAI(base_url=server.url("/predictions/llava/1.0/v1"), api_key="unused", timeout=120)
-    content = [
-        {"type": "image_url", "image_url": {"url": data_uri(pic)}},
-        {"type": "text", "text": QUESTIONS[0]},
-    ]
-    stream = sdk.chat.completions.create(
-        model="llava",
-        messages=[{"role": "user", "content": content}],  # type: ignore[misc]
-        max_tokens=TOKENS,
-        temperature=0,
-        stream=True,
-    )
-    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
-    assert text == expected(oracle, [], QUESTIONS[0], pic)
-
-
 def engine_core(server: TorchServe) -> psutil.Process:
     """Find vLLM's engine core: a child of the TorchServe worker."""
     for proc in psutil.process_iter(["cmdline"]):
