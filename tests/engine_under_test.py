@@ -32,9 +32,6 @@ VLLM_SERVER_ENV = {
 # What an engine's cache reuses comes in units: the reference's, a token; vLLM's prefix cache,
 # a whole block (32 tokens on a CPU: LLAVA_KV_BLOCK_SIZE's default there).
 KV_BLOCK = 32 if ON_VLLM else 1
-# The most of a prompt its engine feeds again though it has seen all of it: the reference only
-# the last token, vLLM up to a block.
-REFED_TAIL = KV_BLOCK
 
 
 def reusable(seen: int) -> int:
@@ -85,11 +82,6 @@ def reference_only(why: str) -> Any:
     """Mark a test that concerns only the transformers engine, saying why (the count of these
     is printed at the end of the vLLM pass)."""
     return pytest.mark.skipif(ON_VLLM, reason=f"transformers engine only: {why}")
-
-
-def vllm_only(why: str) -> Any:
-    """Mark a test that concerns only vLLM's engine, saying why."""
-    return pytest.mark.skipif(not ON_VLLM, reason=f"vLLM engine only: {why}")
 
 
 def skip_unservable(profile_name: str) -> None:

@@ -11,11 +11,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, ClassVar
 
+from engine_under_test import VLLM_SERVER_ENV
 from helpers import TOP_K, Greedy, Reference
 
-MAX_MODEL_LEN = 2048  # as the servers' LLAVA_MAX_CONTEXT_TOKENS (engine_under_test)
+# The servers' context and KV space (a quarter GiB: half a million tokens of a tiny profile).
+MAX_MODEL_LEN = int(VLLM_SERVER_ENV["LLAVA_MAX_CONTEXT_TOKENS"])
+ORACLE_KV = int(float(VLLM_SERVER_ENV["LLAVA_KV_CACHE_GB"]) * 2**30)
 KEPT = 2  # offline engines kept started at once
-ORACLE_KV = 2**28  # a quarter GiB of KV space: half a million tokens of a tiny profile
 
 
 @contextmanager

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -152,10 +153,9 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     counts = {k: len(stats.get(k, [])) for k in ("passed", "failed", "error", "skipped")}
     terminalreporter.write_sep("=", f"integration tests on the {ENGINE} engine")
     terminalreporter.write_line(", ".join(f"{n} {k}" for k, n in counts.items()))
-    reasons: dict[str, int] = {}
-    for report in stats.get("skipped", []):
-        reason = str(report.longrepr[2]) if isinstance(report.longrepr, tuple) else "skipped"
-        reason = reason.removeprefix("Skipped: ")
-        reasons[reason] = reasons.get(reason, 0) + 1
-    for reason, n in sorted(reasons.items(), key=lambda item: -item[1]):
+    reasons = Counter(
+        str(r.longrepr[2] if isinstance(r.longrepr, tuple) else "skipped").removeprefix("Skipped: ")
+        for r in stats.get("skipped", [])
+    )
+    for reason, n in reasons.most_common():
         terminalreporter.write_line(f"  skipped {n:3d}: {reason}")
