@@ -74,15 +74,17 @@ def _rebuild_images_only(module: str, qualname: str, state: dict[str, Any]) -> A
     return processor
 
 
-def snapshot_meta(data: bytes, fmt: str, fingerprint: str) -> dict[str, Any]:
+def snapshot_meta(data: bytes, fmt: str | tuple[str, ...], fingerprint: str) -> dict[str, Any]:
     """Read a session snapshot's header (safetensors' JSON metadata, under "llava") and check
-    it is `fmt` and of this model; raise ValueError otherwise (the arrays are the engine's)."""
+    it is `fmt` (or one of them) and of this model; raise ValueError otherwise (the arrays are
+    the engine's)."""
     try:
         header_len = int.from_bytes(data[:8], "little")
         meta = json.loads(json.loads(data[8 : 8 + header_len])["__metadata__"]["llava"])
     except Exception as exc:
         raise ValueError(f"not a session snapshot: {exc}") from exc
-    if not isinstance(meta, dict) or meta.get("format") != fmt:
+    formats = fmt if isinstance(fmt, tuple) else (fmt,)
+    if not isinstance(meta, dict) or meta.get("format") not in formats:
         found = meta.get("format") if isinstance(meta, dict) else None
         raise ValueError(f"unknown snapshot format {found!r}")
     if meta.get("model") != fingerprint:

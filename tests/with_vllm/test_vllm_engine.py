@@ -9,11 +9,15 @@ One engine per family (module scope), in this process; skipped without vLLM.
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 import random
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM runs in its own environment: make test-vllm")
@@ -89,6 +93,16 @@ def open_session(engine: Any, pic: Any, system_prompt: str | None = None) -> Any
     return state
 
 
+def refused_on_step(engine: Any, turn: Any) -> None:
+    """Step a turn vLLM refuses once rendered (a prompt with pictures is rendered off the step
+    thread): raise the failure the step reports."""
+    while not turn.done:
+        errors = engine.step([turn])
+        if errors:
+            raise errors[0]
+    raise AssertionError("the turn was answered")
+
+
 def test_every_turn_equals_vllms_offline_generate(family: Any) -> None:
     name, engine, oracle, adds_at = family
     pictures = [picture(1)]
@@ -150,8 +164,8 @@ def test_refusals_are_400s_and_the_engine_keeps_serving(family: Any) -> None:
     params = GenerationParams(max_new_tokens=TOKENS)
     with pytest.raises(InvalidRequest, match="placeholder"):
         engine.start_turn(state, f"look {engine.chat.image_token} here", params)
-    with pytest.raises(ContextLengthExceeded):
-        engine.start_turn(state, "word " * 600, params)  # within max_prompt_tokens
+    with pytest.raises(ContextLengthExceeded):  # vLLM's refusal, once it has rendered it
+        refused_on_step(engine, engine.start_turn(state, "word " * 600, params))
     if adds_at is None:
         with pytest.raises(InvalidRequest, match="one image per conversation"):
             engine.start_turn(state, "And this?", params, image=picture(5))
@@ -216,7 +230,9 @@ def test_an_answer_vllm_ends_itself_is_never_committed(
 
     monkeypatch.setattr(llm, "step", ending_itself)
     ended = engine.start_turn(state, "This one vLLM ends", GenerationParams(max_new_tokens=64))
-    errors = engine.step([ended])
+    errors: dict[int, BaseException] = {}
+    while not errors and not ended.done:  # its first steps may wait for its rendering
+        errors = engine.step([ended])
     monkeypatch.undo()
     assert isinstance(errors.get(0), EngineFailed), errors
     assert errors[0].status == 503 and reason in str(errors[0])
@@ -319,17 +335,20 @@ def test_sessions_pictures_are_held_to_the_host_budget(family: Any) -> None:
     if name != "tiny-vllm":
         pytest.skip("the budget is the sessions', not the model's: one family shows it")
     evicted: list[str] = []
-    big = 1000 * 1000 * 3  # a 1000x1000 picture's RGB bytes
+    big = 1000 * 1000 * 3  # a 1000x1000 picture's RGB bytes: noise, which PNG cannot shrink
+    states = [
+        engine.new_session(
+            engine.image_preparer()(Image.frombytes("RGB", (1000, 1000), os.urandom(big)), [])
+        )
+        for _ in range(3)
+    ]
+    assert all(state.host_bytes >= big for state in states)
     store = SessionStore(
-        memory=TieredMemory(engine, None, int(2.5 * big)),
+        memory=TieredMemory(engine, None, int(2.5 * states[0].host_bytes)),
         release=lambda session, reason: evicted.append(f"{session.id}:{reason}"),
     )
     ids = []
-    for colour in ("red", "green", "blue"):
-        state = engine.new_session(
-            engine.image_preparer()(Image.new("RGB", (1000, 1000), colour), [])
-        )
-        assert state.host_bytes >= big
+    for state in states:
         session = store.add(store.reserve(), state, state.nbytes)
         ids.append(session.id)
     assert evicted == [f"{ids[0]}:evicted"]  # the oldest idle one went; two fit
@@ -375,3 +394,105 @@ def test_a_front_slower_than_the_engine_gets_its_outputs_merged_not_queued(
         assert max(per_step) >= 3, per_step
     finally:
         engine.requests.llm.engine_core.shutdown()
+
+
+def test_a_large_picture_is_kept_as_png_and_answered_as_vllm_answers_it(family: Any) -> None:
+    """A session keeps its pictures' PNG, not their pixels: a 3000x3000 picture of a few flat
+    shapes (27 MB of RGB) costs what its PNG weighs, in memory and in every snapshot, and its
+    answers are vLLM's own on the picture itself, before and after a snapshot."""
+    from PIL import Image
+
+    name, engine, oracle, _ = family
+    if name != "tiny-vllm":
+        pytest.skip("how pictures are kept is the engine's, not the model's: one family shows it")
+    pic = picture(15).resize((3000, 3000), Image.Resampling.NEAREST)  # flat shapes, sharp edges
+    raw = 3000 * 3000 * 3
+    state = open_session(engine, pic)
+    assert state.host_bytes < raw // 100, state.host_bytes
+    snapshot = engine.snapshot(state, {})()
+    assert len(snapshot) < raw // 100, len(snapshot)
+    params = GenerationParams(max_new_tokens=TOKENS)
+    want = oracle.answer(messages([], QUESTIONS[0], 0), [pic], TOKENS)
+    resumed, _ = engine.resume(snapshot)
+    for session in (state, resumed):
+        assert run(engine, engine.start_turn(session, QUESTIONS[0], params)).generated == want
+
+
+def test_a_picture_vllm_has_let_go_is_sent_again(family: Any) -> None:
+    """Follow-ups send a processed picture by its id alone; once vLLM has dropped it (its
+    processor cache here and the engine core's emptied), the pixels go again and the answer is
+    the same. A first-format snapshot (raw pixels) is read too."""
+    from safetensors.numpy import save as save_arrays
+
+    name, engine, oracle, _ = family
+    if name != "tiny-vllm":
+        pytest.skip("how pictures are sent is the engine's, not the model's: one family shows it")
+    pic = picture(16)
+    state = open_session(engine, pic)
+    params = GenerationParams(max_new_tokens=TOKENS)
+    first = run(engine, engine.start_turn(state, QUESTIONS[0], params))
+    assert all(image.fresh is None for image in state.images)  # only the PNG is kept
+    engine.requests.llm.reset_mm_cache()
+    second = run(engine, engine.start_turn(state, QUESTIONS[1], params))
+    history = [(QUESTIONS[0], first.text, 0)]
+    assert second.generated == oracle.answer(messages(history, QUESTIONS[1], 0), [pic], TOKENS)
+    meta = {
+        "format": "llava-vllm-session/1",
+        "model": engine.fingerprint,
+        "system_prompt": None,
+        "history": [[QUESTIONS[0], first.text, 0]],
+        "uuids": [state.images[0].uuid],
+        "extra": {},
+    }
+    pixels = {"image.0": np.asarray(pic.convert("RGB"))}
+    old = bytes(save_arrays(pixels, metadata={"llava": json.dumps(meta)}))
+    resumed, _ = engine.resume(old)
+    assert run(engine, engine.start_turn(resumed, QUESTIONS[1], params)).generated == (
+        second.generated
+    )
+
+
+def test_a_stream_goes_on_while_a_picture_is_processed(
+    family: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's processor runs on a thread of its own: while a new picture is held in it, the
+    step thread keeps a running answer streaming (were the processor on the step thread, the
+    answer would wait for the picture)."""
+    name, engine, oracle, _ = family
+    if name != "tiny-vllm":
+        pytest.skip("where the processor runs is the engine's, not the model's: one family")
+    pic, new_pic = picture(17), picture(18)
+    state = open_session(engine, pic)
+    tokens = 48
+    answer = engine.start_turn(state, QUESTIONS[0], GenerationParams(max_new_tokens=tokens))
+    while len(answer.generated) < 4:
+        assert not engine.step([answer])
+    renderer = engine.requests.llm.input_processor.renderer
+    real_render = renderer.render_cmpl
+    rendering, release = threading.Event(), threading.Event()
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        rendering.set()
+        assert release.wait(120), "the test never let the picture through"
+        return real_render(*args, **kwargs)
+
+    monkeypatch.setattr(renderer, "render_cmpl", held)
+    opening = engine.start_open(engine.new_session(engine.image_preparer()(new_pic, [])))
+    assert rendering.wait(60)
+    before = len(answer.generated)
+    while not answer.done and len(answer.generated) < before + 8:
+        assert not engine.step([answer, opening])
+    assert len(answer.generated) >= before + 8  # it streamed meanwhile
+    assert not opening.done
+    release.set()
+    while not (answer.done and opening.done):
+        assert not engine.step([answer, opening])
+    engine.finish_turn(answer)
+    engine.finish_turn(opening)
+    want = oracle.answer(messages([], QUESTIONS[0], 0), [pic], tokens)
+    assert answer.generated == want
+    asked = run(
+        engine,
+        engine.start_turn(opening.state, QUESTIONS[0], GenerationParams(max_new_tokens=TOKENS)),
+    )
+    assert asked.generated == oracle.answer(messages([], QUESTIONS[0], 0), [new_pic], TOKENS)

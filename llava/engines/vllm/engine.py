@@ -308,12 +308,16 @@ class VllmEngine:
             len(turn.images), self.multi_image, self.config.max_images_per_session
         )
         try:
-            self.requests.submit(turn)
+            self.requests.submit(turn, lambda exc: self._refusal(exc, field))
         except self._dead as exc:
             self._engine_died(exc)
             raise EngineRestarting("the model's engine is restarting after a failure") from exc
         except self._refusals as exc:
             raise refused(exc, field, self.max_context) from exc
+
+    def _refusal(self, exc: BaseException, field: str) -> BaseException:
+        """The client's 400 for vLLM's refusal of a rendered request (else what it raised)."""
+        return refused(exc, field, self.max_context) if isinstance(exc, self._refusals) else exc
 
     def _engine_died(self, exc: BaseException) -> None:
         """Fail every answer in flight and start a new engine on a thread."""

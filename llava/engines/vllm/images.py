@@ -1,44 +1,92 @@
-"""A picture as vLLM takes it: the decoded image and its content id.
+"""A picture as vLLM takes it: its pixels, kept encoded, and their content id.
 
 vLLM runs its own processor and vision tower inside the engine; what the kit hands it is the
 image and an id derived from its pixels (`multi_modal_uuids`). vLLM keys its processor cache,
 its encoder cache and its prefix-cache block hashes on that id, so a follow-up that sends the
-same picture again runs neither the processor nor the tower while vLLM still holds them. The id
-must be the content's digest: vLLM trusts it, and an id reused for other pixels would serve
-the other picture's features.
+same picture again runs neither the processor nor the tower while vLLM still holds them (the kit
+then sends the id alone, and the pixels only if vLLM has let them go). The id must be the
+content's digest: vLLM trusts it, and an id reused for other pixels would serve the other
+picture's features.
+
+A session keeps its pictures as lossless PNG made in the image processes (fast compression): the
+same pixels, at what they weigh on the wire rather than width x height x 3 bytes (a 6000x6000
+flat-colour picture is 108 MB of RGB and about 100 KB of PNG). They are decoded again only when
+vLLM needs the pixels: on a rendering thread, never on the step thread.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+import io
+from dataclasses import dataclass, field
 from typing import Any
 
 from PIL import Image
 
+PNG_LEVEL = 1  # zlib's fastest: a photo's PNG is ~2x smaller than its pixels at any level
 
-@dataclass(frozen=True, eq=False)
+
+def content_id(rgb: Image.Image) -> str:
+    """Name RGB pixels by their digest (and size: two shapes of the same bytes differ)."""
+    digest = hashlib.sha256(f"{rgb.size[0]}x{rgb.size[1]}:".encode())
+    digest.update(rgb.tobytes())
+    return "sha256:" + digest.hexdigest()
+
+
+def encode(rgb: Image.Image) -> bytes:
+    """Lossless PNG of RGB pixels."""
+    out = io.BytesIO()
+    rgb.save(out, format="PNG", compress_level=PNG_LEVEL)
+    return out.getvalue()
+
+
+def decode(png: bytes) -> Image.Image:
+    """The RGB pixels a picture's PNG holds (the kit's own encoding: no limits to apply)."""
+    with Image.open(io.BytesIO(png)) as image:
+        if image.format != "PNG" or image.mode != "RGB":
+            raise ValueError(f"not an RGB PNG ({image.format}, {image.mode})")
+        image.load()
+        return image.copy()
+
+
+@dataclass(eq=False)
 class VllmImage:
-    """A decoded RGB picture and the digest of its pixels."""
+    """A picture's PNG and the digest of its pixels; `fresh` holds the decoded pixels from its
+    preparation until vLLM has processed them once (then only the PNG is kept)."""
 
-    image: Image.Image
+    png: bytes
     uuid: str
+    size: tuple[int, int]
+    fresh: Image.Image | None = field(default=None, repr=False)
 
     @property
     def nbytes(self) -> int:
-        width, height = self.image.size
-        return width * height * 3
+        return len(self.png)
+
+    def pixels(self) -> Image.Image:
+        """The RGB pixels (the ones from preparation, else decoded from the PNG)."""
+        return self.fresh if self.fresh is not None else decode(self.png)
+
+    def processed(self) -> None:
+        """vLLM has the pixels: keep only the PNG from now on."""
+        self.fresh = None
 
     @classmethod
     def of(cls, image: Any) -> VllmImage:
-        """Convert to RGB (as the processor would) and name the result by its pixels (a
-        prepared picture is taken as it is)."""
+        """Convert to RGB (as the processor would), name the result by its pixels and encode
+        it (a prepared picture is taken as it is)."""
         if isinstance(image, VllmImage):
             return image
         rgb = image if image.mode == "RGB" else image.convert("RGB")
-        digest = hashlib.sha256(f"{rgb.size[0]}x{rgb.size[1]}:".encode())
-        digest.update(rgb.tobytes())
-        return cls(rgb, "sha256:" + digest.hexdigest())
+        return cls(encode(rgb), content_id(rgb), rgb.size, rgb)
+
+    @classmethod
+    def restored(cls, png: bytes, uuid: str) -> VllmImage:
+        """A picture read back from a snapshot; ValueError unless its pixels match `uuid`."""
+        rgb = decode(png)
+        if content_id(rgb) != uuid:
+            raise ValueError("the picture does not match its content id")
+        return cls(png, uuid, rgb.size)
 
 
 def pictures(prepared: Any) -> tuple[VllmImage, ...]:
@@ -49,7 +97,7 @@ def pictures(prepared: Any) -> tuple[VllmImage, ...]:
 
 
 class VllmImagePreparer:
-    """The image processes' work for this engine: only the RGB conversion and the digest
+    """The image processes' work for this engine: RGB conversion, the digest and the PNG
     (vLLM's processor runs inside the engine, once per picture it has not seen)."""
 
     def __call__(self, image: Any, earlier: list[Any]) -> tuple[VllmImage, ...]:

@@ -3,16 +3,41 @@
 Outputs come as deltas of token ids (vLLM does not detokenize them): the kit's own detokenizer
 and stop-string cut make the text, so an answer reads the same on either engine, and the ids
 that end an answer are the checkpoint's, as on the transformers engine.
+
+A request with pictures is rendered (vLLM's processor run on what it has not seen) on a thread
+of its own, as `vllm serve` does, so that opening a photo never holds up the streams the step
+thread serves: the step thread adds each rendered request in the order they were rendered (one
+rendering thread, as vLLM's own: its processor cache here and the engine core's mirror each
+other only if they see the pictures in the same order). A picture vLLM has processed is sent
+by its id alone, and its pixels again only if vLLM has let them go.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from typing import Any
 
-from llava.core.errors import EngineFailed
+from llava.core.errors import EngineFailed, EngineRestarting
 from llava.engines.conversation.text import finish_answer, show
 from llava.engines.vllm.state import VllmTurn
+
+RENDER_WAIT_S = 0.05  # how long an idle step waits for a rendering to finish before returning
+
+
+@dataclass(eq=False)
+class Rendering:
+    """A request being rendered: its turn, the engine it is for, and vLLM's input to come."""
+
+    turn: VllmTurn
+    llm: Any
+    sampling: Any
+    refusal: Callable[[BaseException], BaseException]
+    future: Future[Any]
+    cancelled: bool = False
 
 
 def queued(llm: Any) -> int:
@@ -29,6 +54,8 @@ class Requests:
         self.llm = llm
         self.eos_ids = eos_ids
         self._running: dict[str, VllmTurn] = {}
+        self._rendering: deque[Rendering] = deque()
+        self._renderer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-render")
         self.step_started: float | None = (
             None  # when the step in progress began (a watchdog reads it)
         )
@@ -37,17 +64,23 @@ class Requests:
     def max_model_len(self) -> int:
         return int(self.llm.model_config.max_model_len)
 
-    def submit(self, turn: VllmTurn) -> None:
-        """Add the turn's request (vLLM runs its processor here, on what it has not seen)."""
-        from vllm import SamplingParams, TokensPrompt
+    def submit(self, turn: VllmTurn, refusal: Callable[[BaseException], BaseException]) -> None:
+        """Add the turn's request: a text-only one at once, one with pictures once rendered
+        (`refusal` turns vLLM's refusal of it, then, into the turn's error)."""
+        sampling = self._sampling(turn)
+        if not turn.images:
+            self.llm.add_request(turn.request_id, _prompt(turn, with_pixels=False), sampling)
+            self._running[turn.request_id] = turn
+            return
+        future = self._renderer.submit(_render, self.llm, turn)
+        self._rendering.append(Rendering(turn, self.llm, sampling, refusal, future))
+
+    def _sampling(self, turn: VllmTurn) -> Any:
+        from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        prompt = TokensPrompt(prompt_token_ids=turn.ids, cache_salt=turn.state.salt)
-        if turn.images:
-            prompt["multi_modal_data"] = {"image": [image.image for image in turn.images]}
-            prompt["multi_modal_uuids"] = {"image": [image.uuid for image in turn.images]}
         params = turn.params
-        sampling = SamplingParams(
+        return SamplingParams(
             temperature=params.temperature,
             top_p=params.top_p,
             seed=params.seed,
@@ -56,15 +89,41 @@ class Requests:
             detokenize=False,
             output_kind=RequestOutputKind.DELTA,
         )
-        self.llm.add_request(turn.request_id, prompt, sampling)
-        self._running[turn.request_id] = turn
+
+    def _add_rendered(self) -> None:
+        """Add, in the order they were rendered, the requests whose rendering has finished."""
+        while self._rendering and self._rendering[0].future.done():
+            done = self._rendering.popleft()
+            turn = done.turn
+            if done.llm is not self.llm:  # rendered for an engine that has died since
+                turn.error = EngineRestarting("the model's engine failed during this answer")
+                continue
+            failed = done.future.exception()
+            if failed is not None:
+                turn.error = done.refusal(failed)
+                continue
+            self._running[turn.request_id] = turn
+            try:
+                self.llm.add_request(turn.request_id, done.future.result(), done.sampling)
+            except Exception as exc:
+                if self._running.pop(turn.request_id, None) is None:
+                    raise  # the engine died: fail_all has failed the turn
+                turn.error = done.refusal(exc)
+                continue
+            if done.cancelled:  # added all the same: vLLM's caches must see every rendering
+                self.abort(turn)
 
     def step(self) -> None:
         """Run one engine step and give each output to its turn; then take, merged into this
         step's deltas, every step's outputs the engine core made meanwhile (it steps on its own,
-        in its own process: a front slower than it must not fall further behind each step)."""
+        in its own process: a front slower than it must not fall further behind each step).
+        With nothing to step but requests being rendered, wait a moment for the first."""
         for running in self._running.values():
             running.delta = ""
+        self._add_rendered()
+        if not self.llm.has_unfinished_requests() and self._rendering:
+            wait([self._rendering[0].future], timeout=RENDER_WAIT_S)
+            self._add_rendered()
         if not self.llm.has_unfinished_requests():
             return
         self._take(self._step())
@@ -132,21 +191,55 @@ class Requests:
         finish_answer(turn, reason)
 
     def abort(self, turn: VllmTurn) -> None:
-        """Stop a turn's request if vLLM still runs it."""
+        """Stop a turn's request if vLLM still runs it (or once it is rendered)."""
         if self._running.pop(turn.request_id, None) is not None:
             self.llm.abort_request([turn.request_id])
+        for rendering in self._rendering:
+            if rendering.turn is turn:
+                rendering.cancelled = True
 
     def forget(self, turn: VllmTurn) -> None:
         """Let go of a finished turn."""
         self._running.pop(turn.request_id, None)
 
     def fail_all(self, error: BaseException) -> None:
-        """Fail every turn in flight (the engine is gone: nothing to abort)."""
-        for turn in self._running.values():
+        """Fail every turn in flight or being rendered (the engine is gone: nothing to abort)."""
+        for turn in [*self._running.values(), *(r.turn for r in self._rendering)]:
             turn.error = error
         self._running.clear()
+        self._rendering.clear()
 
     def replace(self, llm: Any) -> None:
         """Take a new engine (after the old one died)."""
         self._running.clear()
+        self._rendering.clear()
         self.llm = llm
+
+
+def _prompt(turn: VllmTurn, with_pixels: bool) -> Any:
+    """The turn's prompt for vLLM: its ids, its session's cache salt, and its pictures by id,
+    with the pixels of each picture not yet processed (of every picture, `with_pixels`)."""
+    from vllm import TokensPrompt
+
+    prompt = TokensPrompt(prompt_token_ids=turn.ids, cache_salt=turn.state.salt)
+    if turn.images:
+        data = [i.pixels() if with_pixels else i.fresh for i in turn.images]
+        prompt["multi_modal_data"] = {"image": data}
+        prompt["multi_modal_uuids"] = {"image": [image.uuid for image in turn.images]}
+    return prompt
+
+
+def _render(llm: Any, turn: VllmTurn) -> Any:
+    """Run vLLM's processor on a turn's prompt (on the rendering thread); sending the pixels
+    only of pictures vLLM has not processed, and all of them if it has let some go."""
+    renderer = llm.input_processor.renderer
+    sent_by_id = any(image.fresh is None for image in turn.images)
+    try:
+        (rendered,) = renderer.render_cmpl([_prompt(turn, with_pixels=not sent_by_id)])
+    except ValueError:
+        if not sent_by_id:
+            raise
+        (rendered,) = renderer.render_cmpl([_prompt(turn, with_pixels=True)])
+    for image in turn.images:
+        image.processed()
+    return rendered

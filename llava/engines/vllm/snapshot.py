@@ -1,9 +1,10 @@
 """A vLLM session's snapshot: its conversation and its pictures, nothing of the device.
 
-A safetensors file (arrays and a JSON header: nothing is unpickled) holding each picture's RGB
-pixels, the system prompt, the questions and answers, and the model's fingerprint, so it is never
+A safetensors file (arrays and a JSON header: nothing is unpickled) holding each picture's PNG,
+the system prompt, the questions and answers, and the model's fingerprint, so it is never
 restored into another model. Each picture's content id is recomputed from its pixels on restore
-(and must match the recorded one): vLLM trusts ids, so a wrong one must never reach it.
+(and must match the recorded one): vLLM trusts ids, so a wrong one must never reach it. The
+first format held each picture's raw RGB pixels; its snapshots are still read.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from safetensors.numpy import save as save_arrays
 
 from llava.engines.checkpoint import snapshot_meta
 from llava.engines.conversation.chat import Exchange
-from llava.engines.vllm.images import VllmImage
+from llava.engines.vllm.images import VllmImage, encode
 from llava.engines.vllm.state import VllmSession
 
-FORMAT = "llava-vllm-session/1"
+FORMAT = "llava-vllm-session/2"
+RAW_PIXELS = "llava-vllm-session/1"  # the first format: each picture as RGB pixels
 
 
 def capture(state: VllmSession, fingerprint: str, extra: dict[str, Any]) -> Callable[[], bytes]:
@@ -38,7 +40,7 @@ def capture(state: VllmSession, fingerprint: str, extra: dict[str, Any]) -> Call
     images = list(state.images)
 
     def serialise() -> bytes:
-        arrays = {f"image.{i}": np.asarray(im.image) for i, im in enumerate(images)}
+        arrays = {f"image.{i}": np.frombuffer(im.png, np.uint8) for i, im in enumerate(images)}
         return bytes(save_arrays(arrays, metadata={"llava": json.dumps(meta)}))
 
     return serialise
@@ -47,20 +49,28 @@ def capture(state: VllmSession, fingerprint: str, extra: dict[str, Any]) -> Call
 def restore(data: bytes, fingerprint: str) -> tuple[VllmSession, dict[str, Any]]:
     """Rebuild a session's conversation (its prefix ids are the engine's to fill in) and the
     service's extra data; raise ValueError when the bytes are not a snapshot of this model."""
-    meta = snapshot_meta(data, FORMAT, fingerprint)
+    meta = snapshot_meta(data, (FORMAT, RAW_PIXELS), fingerprint)
     try:
         arrays = load_arrays(data)
     except Exception as exc:  # safetensors raises its own error types
         raise ValueError(f"not a session snapshot: {exc}") from exc
-    images = []
-    for i, uuid in enumerate(meta["uuids"]):
-        pixels = arrays.get(f"image.{i}")
-        if pixels is None or pixels.ndim != 3 or pixels.shape[2] != 3 or pixels.dtype != np.uint8:
-            raise ValueError(f"the snapshot's picture {i} is missing or not RGB pixels")
-        image = VllmImage.of(Image.fromarray(pixels))
-        if image.uuid != uuid:
-            raise ValueError(f"the snapshot's picture {i} does not match its content id")
-        images.append(image)
+    images = [
+        _picture(arrays.get(f"image.{i}"), uuid, meta["format"] == RAW_PIXELS, i)
+        for i, uuid in enumerate(meta["uuids"])
+    ]
     history = [Exchange(p, a, n) for p, a, n in meta["history"]]
     state = VllmSession(meta["system_prompt"], tuple(images), [], history)
     return state, meta["extra"]
+
+
+def _picture(array: Any, uuid: str, raw: bool, i: int) -> VllmImage:
+    """One picture of a snapshot, checked against its content id."""
+    if array is None or array.dtype != np.uint8 or array.ndim != (3 if raw else 1):
+        raise ValueError(f"the snapshot's picture {i} is missing or not a picture")
+    if raw and array.shape[2] != 3:
+        raise ValueError(f"the snapshot's picture {i} is not RGB pixels")
+    png = encode(Image.fromarray(array)) if raw else array.tobytes()
+    try:
+        return VllmImage.restored(png, uuid)
+    except (ValueError, OSError) as exc:  # PIL raises OSError for bytes it cannot read
+        raise ValueError(f"the snapshot's picture {i}: {exc}") from exc
