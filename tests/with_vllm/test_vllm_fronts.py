@@ -1,5 +1,6 @@
-"""`engine: vllm` behind a real TorchServe: sessions over HTTP, the OpenAI endpoint with the
-official SDK, and a killed engine core (kill -9) that costs no finished turn.
+"""`engine: vllm` behind a real TorchServe: boto3 through the local runtime, and the fault plan:
+the engine core killed or hung mid-stream and mid-open at 1 and 8 chats, a killed worker, and
+none of them costs a finished turn.
 
 The worker runs vLLM as it runs in production: its engine core in a process of its own. Answers
 are compared with vLLM's own offline `generate` on the whole conversation (in this process).
@@ -11,7 +12,10 @@ import json
 import os
 import random
 import signal
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,29 +24,34 @@ pytest.importorskip("vllm", reason="vLLM runs in its own environment: make test-
 
 import httpx  # noqa: E402
 import psutil  # noqa: E402
-from conftest import KIT_ENV, Oracle, expected_text, kill_under_stream, until_engine_back  # noqa: E402
+from conftest import KIT_ENV, Oracle, expected_text, until_engine_back  # noqa: E402
 from helpers import ask, data_uri, open_session, post  # noqa: E402
 
-from llava.core.paths import CHECKOUT  # noqa: E402
+from llava.api.headers import SESSION_HEADER  # noqa: E402
 from llava.fronts.torchserve.launcher import TorchServe  # noqa: E402
 from llava.tools.archive import build_archive  # noqa: E402
 from llava.tools.tiny.scenes import draw_scene  # noqa: E402
 
-SHAPES = CHECKOUT / "models" / "shapes"
 TOKENS = 8
 STEP_TIMEOUT_S = 8  # a step of the tiny model takes milliseconds here
 QUESTIONS = ["What colour is the circle?", "And the other one?", "How many shapes are there?"]
 
 
 @pytest.fixture(scope="module")
-def oracle() -> Oracle:
-    return Oracle(SHAPES)
+def checkpoint(built: Any) -> Path:
+    """A random model: its answers run to their length limit, so a fault finds them streaming."""
+    return Path(built("tiny-vllm"))
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TorchServe]:
+def oracle(checkpoint: Path) -> Oracle:
+    return Oracle(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, checkpoint: Path) -> Iterator[TorchServe]:
     store = tmp_path_factory.mktemp("store")
-    build_archive(SHAPES, store, name="llava")
+    build_archive(checkpoint, store, name="llava")
     env = {
         **KIT_ENV,
         "VLLM_ENABLE_V1_MULTIPROCESSING": "1",  # the core in its own process
@@ -72,43 +81,101 @@ def engine_core(server: TorchServe) -> psutil.Process:
     raise AssertionError("no TorchServe worker found")
 
 
-def test_a_killed_engine_core_costs_no_finished_turn(server: TorchServe, oracle: Oracle) -> None:
-    url = server.url("/predictions/llava")
-    pic = picture(13)
-    with httpx.Client(timeout=120) as client:
-        sid = open_session(client, url, data_uri(pic))
-        first = ask(client, url, sid, QUESTIONS[0], max_new_tokens=TOKENS)["text"]
-        core = engine_core(server)
-        lines = kill_under_stream(client, url, sid, core.pid)  # the core dies mid-answer
-        assert lines and "error" in lines[-1], lines[-3:]
-        assert lines[-1]["error"]["code"] == "engine_restarting"
-        # Requests are refused with 503 and a Retry-After while the engine starts again.
-        body = {"type": "query", "prompt": QUESTIONS[1], "max_new_tokens": TOKENS}
-        r = until_engine_back(client, url, sid, body)
-        assert r.status_code == 200, r.text
-        # The session carried on from its last finished turn: the cut answer left no trace.
-        assert r.json()["text"] == expected(oracle, [(QUESTIONS[0], first)], QUESTIONS[1], pic)
-        assert not core.is_running()
+FAULTS = {"killed": signal.SIGKILL, "hung": signal.SIGSTOP}  # hung: the watchdog kills it
 
 
-def test_a_hung_engine_core_is_killed_and_costs_no_finished_turn(
-    server: TorchServe, oracle: Oracle
+@pytest.mark.parametrize("chats", [1, 8])
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_the_engine_core_killed_or_hung_costs_no_finished_turn(
+    server: TorchServe, oracle: Oracle, fault: str, chats: int
 ) -> None:
-    """SIGSTOP of vLLM's engine core mid-answer: the step waiting on it would wait for ever;
-    the kit's watchdog kills the core after `engine_step_timeout_s`, and it starts again."""
+    """vLLM's engine core killed (SIGKILL) or hung (SIGSTOP) while `chats` answers stream and as
+    many sessions open with new pictures: each answer in flight ends with `engine_restarting`,
+    each open is opened or refused (never half-open), requests get 503 with a Retry-After until
+    the engine is back, and then every session answers as vLLM's own generate does at its last
+    finished turn, as does every session that opened."""
     url = server.url("/predictions/llava")
-    pic = picture(16)
-    with httpx.Client(timeout=120) as client:
-        sid = open_session(client, url, data_uri(pic))
-        first = ask(client, url, sid, QUESTIONS[0], max_new_tokens=TOKENS)["text"]
+    seed = 1000 * chats + (0 if fault == "killed" else 500)
+    pics = [picture(seed + i) for i in range(chats)]
+    new_pics = [picture(seed + 100 + i).resize((1024, 768)) for i in range(chats)]
+    limits = httpx.Limits(max_connections=4 * chats + 4)
+    with httpx.Client(timeout=180, limits=limits) as client:
+        sids = [open_session(client, url, data_uri(pic)) for pic in pics]
+        firsts = [
+            ask(client, url, sid, QUESTIONS[0], max_new_tokens=TOKENS)["text"] for sid in sids
+        ]
         core = engine_core(server)
-        lines = kill_under_stream(client, url, sid, core.pid, signal.SIGSTOP)
-        assert lines and lines[-1].get("error", {}).get("code") == "engine_restarting", lines[-3:]
+        streams = [Streaming(client, url, sid) for sid in sids]
+        for stream in streams:
+            assert stream.begun.wait(60), "an answer did not begin"
+        with ThreadPoolExecutor(chats) as pool:
+            sent = threading.Semaphore(0)
+
+            def opening(pic: Any) -> httpx.Response:
+                body = {"type": "open_session", "image": data_uri(pic)}
+                hooks = {"request": [lambda request: sent.release()]}
+                with httpx.Client(timeout=180, event_hooks=hooks) as own:
+                    return own.post(url, json=body)
+
+            opens = [pool.submit(opening, pic) for pic in new_pics]
+            for _ in new_pics:
+                assert sent.acquire(timeout=60)
+            os.kill(core.pid, FAULTS[fault])  # mid-stream, and mid-open
+            for stream in streams:
+                stream.thread.join(180)
+            opened = [future.result() for future in opens]
         body = {"type": "query", "prompt": QUESTIONS[1], "max_new_tokens": TOKENS}
-        r = until_engine_back(client, url, sid, body)
+        r = until_engine_back(client, url, sids[0], body)
         assert r.status_code == 200, r.text
-        assert r.json()["text"] == expected(oracle, [(QUESTIONS[0], first)], QUESTIONS[1], pic)
         assert not core.is_running()
+        answers = [r.json()["text"]] + [
+            ask(client, url, sid, QUESTIONS[1], max_new_tokens=TOKENS)["text"] for sid in sids[1:]
+        ]
+        cut = 0
+        for pic, first, stream, answer in zip(pics, firsts, streams, answers, strict=True):
+            history = [(QUESTIONS[0], first), *stream.finished()]
+            cut += not stream.finished()
+            assert answer == expected(oracle, history, QUESTIONS[1], pic)
+        assert cut, "every answer finished before the fault: nothing was cut"
+        for pic, reply in zip(new_pics, opened, strict=True):
+            if reply.status_code != 200:  # refused while the engine was down: nothing opened
+                assert reply.status_code == 503, reply.text
+                assert reply.json()["error"]["code"] == "engine_restarting"
+                continue
+            sid = reply.json()["session_id"]
+            text = ask(client, url, sid, QUESTIONS[0], max_new_tokens=TOKENS)["text"]
+            assert text == expected(oracle, [], QUESTIONS[0], pic)
+
+
+class Streaming:
+    """A long answer streaming on a thread: its JSON lines, and when the first came."""
+
+    QUESTION = "Tell me more."
+
+    def __init__(self, client: httpx.Client, url: str, sid: str) -> None:
+        self.lines: list[dict[str, Any]] = []
+        self.begun = threading.Event()
+        body = {"type": "query", "prompt": self.QUESTION, "max_new_tokens": 900, "stream": True}
+        self.thread = threading.Thread(target=self._read, args=(client, url, sid, body))
+        self.thread.start()
+
+    def _read(self, client: httpx.Client, url: str, sid: str, body: dict[str, Any]) -> None:
+        with client.stream("POST", url, json=body, headers={SESSION_HEADER: sid}) as r:
+            for line in r.iter_lines():
+                if line:
+                    self.lines.append(json.loads(line))
+                    self.begun.set()
+        self.begun.set()
+
+    def finished(self) -> list[tuple[str, str]]:
+        """The exchange this answer added to its session: none if the fault cut it (it ended
+        with `engine_restarting`), else its question and text."""
+        last = self.lines[-1] if self.lines else {}
+        if "error" in last:
+            assert last["error"]["code"] == "engine_restarting", self.lines[-3:]
+            return []
+        assert last.get("finish_reason"), self.lines[-3:]
+        return [(self.QUESTION, "".join(line.get("text", "") for line in self.lines))]
 
 
 def test_boto3_through_the_local_runtime(server: TorchServe, oracle: Oracle, monkeypatch) -> None:
