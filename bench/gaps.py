@@ -161,6 +161,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--kv-gb", type=float, default=1.0, help="each vLLM's KV cache")
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument(
+        "--step-tokens",
+        type=int,
+        default=0,
+        help="both servers' tokens per step (vLLM's max_num_batched_tokens); 0: each one's own",
+    )
+    parser.add_argument(
+        "--only", choices=["vllm", "kit"], help="measure one server (a run to set beside another)"
+    )
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args(argv)
     args.ray = False
@@ -168,8 +177,12 @@ def main(argv: list[str] | None = None) -> None:
     settle(args, gpu)
     work = Path(tempfile.mkdtemp(prefix="bench-gaps-"))
     checkpoint = checkpoint_of(args.model, work, gpu)
-    results: dict[str, Any] = {"meta": run_meta(args.model, photo_px=args.photo_px), "gaps": {}}
+    meta = run_meta(args.model, photo_px=args.photo_px, step_tokens=args.step_tokens)
+    results: dict[str, Any] = {"meta": meta, "gaps": {}}
     plan = [(start_vllm, ["chat"]), (start_kit_torchserve, ["chat", "session"])]
+    if args.only:
+        plan = plan[:1] if args.only == "vllm" else plan[1:]
+    name = f"gaps-vllm-{args.step_tokens}" if args.step_tokens else "gaps-vllm"
     for start, ways in plan:
         print(f"starting {start.__name__.removeprefix('start_')} ...", file=sys.stderr)
         server = start(checkpoint, args, work)
@@ -179,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
                 seed = 10_000 * (1 + ways.index(how))
                 label = f"{server.name} / {how} opens"
                 results["gaps"][label] = measure(server, how, args, seed)
-                write_results(args.out / "gaps-vllm.json", results, table(results["gaps"]))
+                write_results(args.out / f"{name}.json", results, table(results["gaps"]))
         finally:
             server.stop()
 

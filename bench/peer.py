@@ -338,6 +338,8 @@ def vllm_command(checkpoint: Path, args: Any, port: int) -> list[str]:
     ]  # fmt: skip
     if args.gpu_share:
         command += ["--gpu-memory-utilization", str(args.gpu_share)]
+    if getattr(args, "step_tokens", 0):
+        command += ["--max-num-batched-tokens", str(args.step_tokens)]
     return command
 
 
@@ -379,6 +381,8 @@ def kit_env(args: Any) -> dict[str, str]:
     }
     if args.gpu_share:
         env["LLAVA_GPU_MEMORY_UTILIZATION"] = str(args.gpu_share)
+    if getattr(args, "step_tokens", 0):
+        env["LLAVA_STEP_TOKEN_BUDGET"] = str(args.step_tokens)
     return env
 
 
