@@ -14,6 +14,7 @@ import os
 import random
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -357,43 +358,68 @@ def test_sessions_pictures_are_held_to_the_host_budget(family: Any) -> None:
     assert [store.get(sid).id for sid in ids[1:]] == ids[1:]
 
 
+@pytest.fixture(scope="module")
+def own_process(built: Any) -> Iterator[tuple[Any, Oracle]]:
+    """tiny-vllm with its engine core in a process of its own, as in production, and its
+    oracle."""
+    from llava.engines.vllm import VllmEngine
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+        checkpoint = built("tiny-vllm")
+        engine = VllmEngine.load(checkpoint, vllm_config())
+    try:
+        yield engine, Oracle(Path(checkpoint))
+    finally:
+        engine.requests.llm.engine_core.shutdown()
+
+
+def test_a_picture_the_engine_core_let_go_is_sent_again(own_process: Any) -> None:
+    """vLLM's processor cache here and the engine core's mirror each other; if they drift (the
+    core's emptied alone), a picture sent by id alone reaches a core without it: vLLM ends the
+    request asking for the picture again, and the kit resends it, the answer unchanged."""
+    engine, oracle_ = own_process
+    pic = picture(19)
+    state = open_session(engine, pic)
+    params = GenerationParams(max_new_tokens=TOKENS)
+    first = run(engine, engine.start_turn(state, QUESTIONS[0], params))
+    engine.requests.llm.engine_core.reset_mm_cache()  # the core's cache only
+    engine.requests.llm.engine_core.reset_prefix_cache()  # so the picture must be encoded
+    second = run(engine, engine.start_turn(state, QUESTIONS[1], params))
+    history = [(QUESTIONS[0], first.text, 0)]
+    assert second.generated == oracle_.answer(messages(history, QUESTIONS[1], 0), [pic], TOKENS)
+    assert second.request_id.endswith("-again")  # it was resent
+
+
 def test_a_front_slower_than_the_engine_gets_its_outputs_merged_not_queued(
-    built: Any, monkeypatch: pytest.MonkeyPatch
+    own_process: Any,
 ) -> None:
     """vLLM's engine core steps on its own (its own process): a front that takes three of its
     steps per step of its own must get every output made meanwhile at once, merged per request,
     not one step's a time (a lag that would grow through the answer)."""
-    from llava.engines.vllm import VllmEngine
-
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # the core in its own process
-    checkpoint = built("tiny-vllm")
-    engine = VllmEngine.load(checkpoint, vllm_config())
-    oracle_ = Oracle(Path(checkpoint))
-    try:
-        pic = picture(14)
-        state = open_session(engine, pic)
-        tokens = 48
-        params = GenerationParams(max_new_tokens=tokens)
-        quick = engine.start_turn(state, QUESTIONS[0], params, history=False)
-        run(engine, quick)
-        assert quick.first_token_at is not None and quick.finished_at is not None
-        engine_step = (quick.finished_at - quick.first_token_at) / (len(quick.generated) - 1)
-        slow = engine.start_turn(state, QUESTIONS[0], params, history=False)
-        delivered: list[int] = []
-        while not slow.done:
-            time.sleep(3 * engine_step)  # the front's own work, three engine steps long
-            assert not engine.step([slow])
-            delivered.append(len(slow.generated))
-        engine.finish_turn(slow)
-        want = oracle_.answer(messages([], QUESTIONS[0], 0), [pic], tokens)
-        assert quick.generated == slow.generated == want
-        assert len(slow.generated) == tokens
-        per_step = [b - a for a, b in zip([0, *delivered], delivered, strict=False)]
-        # one output per front step would take `tokens` steps; merged, about a third of them
-        assert len(delivered) <= tokens // 2, (engine_step, per_step)
-        assert max(per_step) >= 3, per_step
-    finally:
-        engine.requests.llm.engine_core.shutdown()
+    engine, oracle_ = own_process
+    pic = picture(14)
+    state = open_session(engine, pic)
+    tokens = 48
+    params = GenerationParams(max_new_tokens=tokens)
+    quick = engine.start_turn(state, QUESTIONS[0], params, history=False)
+    run(engine, quick)
+    assert quick.first_token_at is not None and quick.finished_at is not None
+    engine_step = (quick.finished_at - quick.first_token_at) / (len(quick.generated) - 1)
+    slow = engine.start_turn(state, QUESTIONS[0], params, history=False)
+    delivered: list[int] = []
+    while not slow.done:
+        time.sleep(3 * engine_step)  # the front's own work, three engine steps long
+        assert not engine.step([slow])
+        delivered.append(len(slow.generated))
+    engine.finish_turn(slow)
+    want = oracle_.answer(messages([], QUESTIONS[0], 0), [pic], tokens)
+    assert quick.generated == slow.generated == want
+    assert len(slow.generated) == tokens
+    per_step = [b - a for a, b in zip([0, *delivered], delivered, strict=False)]
+    # one output per front step would take `tokens` steps; merged, about a third of them
+    assert len(delivered) <= tokens // 2, (engine_step, per_step)
+    assert max(per_step) >= 3, per_step
 
 
 def test_a_large_picture_is_kept_as_png_and_answered_as_vllm_answers_it(family: Any) -> None:

@@ -24,6 +24,9 @@ from typing import Any
 from PIL import Image
 
 PNG_LEVEL = 1  # zlib's fastest: a photo's PNG is ~2x smaller than its pixels at any level
+# The most pixels a kept PNG may decode to: the default `image_max_pixels` (40 MP) with room to
+# spare, so that a snapshot's PNG (a few KB can decode to GBs) cannot exhaust the worker.
+MAX_PNG_PIXELS = 64_000_000
 
 
 def content_id(rgb: Image.Image) -> str:
@@ -41,12 +44,17 @@ def encode(rgb: Image.Image) -> bytes:
 
 
 def decode(png: bytes) -> Image.Image:
-    """The RGB pixels a picture's PNG holds (the kit's own encoding: no limits to apply)."""
-    with Image.open(io.BytesIO(png)) as image:
-        if image.format != "PNG" or image.mode != "RGB":
-            raise ValueError(f"not an RGB PNG ({image.format}, {image.mode})")
-        image.load()
-        return image.copy()
+    """The RGB pixels a picture's PNG holds; ValueError if it is not an RGB PNG within
+    MAX_PNG_PIXELS (checked from its header, before anything is decoded)."""
+    try:
+        with Image.open(io.BytesIO(png), formats=["PNG"]) as image:
+            width, height = image.size
+            if image.mode != "RGB" or width * height > MAX_PNG_PIXELS:
+                raise ValueError(f"not an RGB PNG of at most {MAX_PNG_PIXELS} pixels")
+            image.load()
+            return image.copy()
+    except (OSError, Image.DecompressionBombError) as exc:  # Pillow's errors for bad bytes
+        raise ValueError(f"not a PNG: {exc}") from exc
 
 
 @dataclass(eq=False)
@@ -61,7 +69,9 @@ class VllmImage:
 
     @property
     def nbytes(self) -> int:
-        return len(self.png)
+        """The PNG's bytes, and the pixels' while they are held."""
+        width, height = self.size
+        return len(self.png) + (width * height * 3 if self.fresh is not None else 0)
 
     def pixels(self) -> Image.Image:
         """The RGB pixels (the ones from preparation, else decoded from the PNG)."""

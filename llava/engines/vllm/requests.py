@@ -38,6 +38,7 @@ class Rendering:
     refusal: Callable[[BaseException], BaseException]
     future: Future[Any]
     cancelled: bool = False
+    resent: bool = False  # rendered again with every picture's pixels (vLLM had let some go)
 
 
 def queued(llm: Any) -> int:
@@ -55,6 +56,7 @@ class Requests:
         self.eos_ids = eos_ids
         self._running: dict[str, VllmTurn] = {}
         self._rendering: deque[Rendering] = deque()
+        self._added: dict[str, Rendering] = {}  # what each request with pictures was, to resend
         self._renderer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-render")
         self.step_started: float | None = (
             None  # when the step in progress began (a watchdog reads it)
@@ -74,6 +76,20 @@ class Requests:
             return
         future = self._renderer.submit(_render, self.llm, turn)
         self._rendering.append(Rendering(turn, self.llm, sampling, refusal, future))
+
+    def _resend(self, turn: VllmTurn) -> bool:
+        """Render a turn with pictures again with every picture's pixels, once, if vLLM ended it
+        with an error before its first token: what vLLM does when its engine core no longer
+        holds a picture the kit sent by id (its two processor caches drifted apart; vLLM drops
+        the picture from the one here and leaves the retry to its client)."""
+        sent = self._added.pop(turn.request_id, None)
+        if sent is None or sent.resent or turn.generated:
+            return False
+        turn.request_id += "-again"
+        future = self._renderer.submit(_render, self.llm, turn, True)
+        again = Rendering(turn, self.llm, sent.sampling, sent.refusal, future, resent=True)
+        self._rendering.append(again)
+        return True
 
     def _sampling(self, turn: VllmTurn) -> Any:
         from vllm import SamplingParams
@@ -106,10 +122,13 @@ class Requests:
             try:
                 self.llm.add_request(turn.request_id, done.future.result(), done.sampling)
             except Exception as exc:
-                if self._running.pop(turn.request_id, None) is None:
-                    raise  # the engine died: fail_all has failed the turn
-                turn.error = done.refusal(exc)
+                refusal = done.refusal(exc)
+                if refusal is exc:
+                    raise  # no refusal (the engine died): the turn is failed with the others
+                self._running.pop(turn.request_id, None)
+                turn.error = refusal
                 continue
+            self._added[turn.request_id] = done
             if done.cancelled:  # added all the same: vLLM's caches must see every rendering
                 self.abort(turn)
 
@@ -155,9 +174,13 @@ class Requests:
     def _ended(self, turn: VllmTurn, reason: str | None) -> None:
         """End a turn vLLM finished before the kit did: at its length limit or end of answer,
         an answer; aborted or failed by vLLM itself, a failure (its text is no answer: the
-        service rolls the turn back, and the session stays at its last finished turn)."""
+        service rolls the turn back, and the session stays at its last finished turn), unless
+        vLLM asks for the pictures again."""
         if reason in ("abort", "error"):
             self._running.pop(turn.request_id, None)
+            if reason == "error" and self._resend(turn):
+                return
+            self._added.pop(turn.request_id, None)
             turn.error = EngineFailed(
                 f"the model's engine ended this answer itself ({reason}); the session is at its "
                 "last finished turn: ask again"
@@ -192,6 +215,7 @@ class Requests:
 
     def abort(self, turn: VllmTurn) -> None:
         """Stop a turn's request if vLLM still runs it (or once it is rendered)."""
+        self._added.pop(turn.request_id, None)
         if self._running.pop(turn.request_id, None) is not None:
             self.llm.abort_request([turn.request_id])
         for rendering in self._rendering:
@@ -201,6 +225,7 @@ class Requests:
     def forget(self, turn: VllmTurn) -> None:
         """Let go of a finished turn."""
         self._running.pop(turn.request_id, None)
+        self._added.pop(turn.request_id, None)
 
     def fail_all(self, error: BaseException) -> None:
         """Fail every turn in flight or being rendered (the engine is gone: nothing to abort)."""
@@ -208,11 +233,13 @@ class Requests:
             turn.error = error
         self._running.clear()
         self._rendering.clear()
+        self._added.clear()
 
     def replace(self, llm: Any) -> None:
         """Take a new engine (after the old one died)."""
         self._running.clear()
         self._rendering.clear()
+        self._added.clear()
         self.llm = llm
 
 
@@ -229,17 +256,20 @@ def _prompt(turn: VllmTurn, with_pixels: bool) -> Any:
     return prompt
 
 
-def _render(llm: Any, turn: VllmTurn) -> Any:
+def _render(llm: Any, turn: VllmTurn, with_pixels: bool = False) -> Any:
     """Run vLLM's processor on a turn's prompt (on the rendering thread); sending the pixels
-    only of pictures vLLM has not processed, and all of them if it has let some go."""
+    only of pictures vLLM has not processed, and all of them if it has let some go (or
+    `with_pixels`). Only the PNGs are kept afterwards, whatever the outcome."""
     renderer = llm.input_processor.renderer
-    sent_by_id = any(image.fresh is None for image in turn.images)
+    by_id = not with_pixels and any(image.fresh is None for image in turn.images)
     try:
-        (rendered,) = renderer.render_cmpl([_prompt(turn, with_pixels=not sent_by_id)])
-    except ValueError:
-        if not sent_by_id:
-            raise
-        (rendered,) = renderer.render_cmpl([_prompt(turn, with_pixels=True)])
-    for image in turn.images:
-        image.processed()
+        try:
+            (rendered,) = renderer.render_cmpl([_prompt(turn, with_pixels=not by_id)])
+        except ValueError as exc:
+            if not by_id or "Cache miss" not in str(exc):  # vLLM 0.32's words for it
+                raise
+            (rendered,) = renderer.render_cmpl([_prompt(turn, with_pixels=True)])
+    finally:
+        for image in turn.images:
+            image.processed()
     return rendered
