@@ -65,15 +65,17 @@ def kv_cache_bytes(configured_gb: float, on_cpu: bool) -> int | None:
     return min(quarter, CPU_KV_CACHE_MAX) // 2**20 * 2**20
 
 
-CPU_STEP_TOKENS = 256
+CPU_STEP_TOKENS = 64
 
 
 def step_tokens(configured: int, on_cpu: bool) -> int | None:
     """The tokens one of vLLM's steps may take (its `max_num_batched_tokens`, chunked prefill's
-    budget): as configured, else 256 on a CPU (vLLM's 4,096 there lets a step prefill four
-    pictures at once: while 4 sessions opened with 1024x768 pictures on llava15, a stream's
-    longest gap was 28x its quiet median, 12x at 256, with the opens no slower;
-    bench/results/gaps-vllm*.json), else vLLM's."""
+    budget): as configured, else 64 on a CPU, else vLLM's. On a CPU a prefilled token costs
+    about 0.45 ms (llava15 here, 2 cores) against a 13 ms decode step, so vLLM's 4,096 let one
+    step prefill four pictures: while 4 sessions opened with 1024x768 pictures a stream's longest
+    gap was 28x its quiet median; 12x at 256, 5.4x at 64 (the step that runs a picture's vision
+    tower is the longest), with the 4 opens taking 2.2 s against 1.6 s at 256
+    (bench/results/gaps-vllm*.json)."""
     if configured:
         return configured
     return CPU_STEP_TOKENS if on_cpu else None
