@@ -86,7 +86,7 @@ class ServerConfig:
     # what bounds how long any stream waits while others open sessions or ask long questions.
     # 0 = measured: calibrated at start (engines/transformers/scheduling/calibrate.py), then
     # re-derived before every step from the steps actually run (.../scheduling/pacing.py). On
-    # vLLM: its max_num_batched_tokens (0 = 64 on a CPU, vLLM's own on a GPU).
+    # vLLM: its max_num_batched_tokens (0 = vLLM's own).
     step_token_budget: int = 0
     # CPU threads for torch's own operators. 0 = every CPU this worker may use (at most torch's
     # default). The step loop runs every forward on one thread with torch's threads beside it,

@@ -39,7 +39,7 @@ def engine_args(model_dir: Path, config: ServerConfig) -> Any:
         enable_prefix_caching=True,
         block_size=block_size(config.kv_block_size, current_platform.is_cpu()),
         limit_mm_per_prompt={"image": config.max_images_per_session},
-        max_num_batched_tokens=step_tokens(config.step_token_budget, current_platform.is_cpu()),
+        max_num_batched_tokens=step_tokens(config.step_token_budget),
         # Sampling follows the request alone, as on the transformers engine: the checkpoint's
         # generation_config.json sets no defaults (its end-of-answer ids are passed per request).
         generation_config="vllm",
@@ -65,20 +65,14 @@ def kv_cache_bytes(configured_gb: float, on_cpu: bool) -> int | None:
     return min(quarter, CPU_KV_CACHE_MAX) // 2**20 * 2**20
 
 
-CPU_STEP_TOKENS = 64
-
-
-def step_tokens(configured: int, on_cpu: bool) -> int | None:
+def step_tokens(configured: int) -> int | None:
     """The tokens one of vLLM's steps may take (its `max_num_batched_tokens`, chunked prefill's
-    budget): as configured, else 64 on a CPU, else vLLM's. On a CPU a prefilled token costs
-    about 0.45 ms (llava15 here, 2 cores) against a 13 ms decode step, so vLLM's 4,096 let one
-    step prefill four pictures: while 4 sessions opened with 1024x768 pictures a stream's longest
-    gap was 28x its quiet median; 12x at 256, 5.4x at 64 (the step that runs a picture's vision
-    tower is the longest), with the 4 opens taking 2.2 s against 1.6 s at 256
-    (bench/results/gaps-vllm*.json)."""
-    if configured:
-        return configured
-    return CPU_STEP_TOKENS if on_cpu else None
+    budget): as configured, else vLLM's. Fewer tokens a step shorten streams' gaps while
+    pictures open (on llava15 here, 2 cores: 28x the quiet median gap at vLLM's 4,096, 12x at
+    256, 5.4x at 64; bench/results/gaps-vllm*.json), but on a CPU vLLM 0.32 fails a seeded
+    request whose prompt is chunked ("CPU Generator does not use offset") and its engine core
+    with it, so the default stays vLLM's until the kit keeps seeded prompts whole there."""
+    return configured or None
 
 
 def block_size(configured: int, on_cpu: bool) -> int | None:
