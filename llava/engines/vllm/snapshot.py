@@ -20,7 +20,7 @@ from safetensors.numpy import save as save_arrays
 
 from llava.engines.checkpoint import snapshot_meta
 from llava.engines.conversation.chat import Exchange
-from llava.engines.vllm.images import MAX_PNG_PIXELS, VllmImage, encode
+from llava.engines.vllm.images import MAX_PNG_PIXELS, VllmImage
 from llava.engines.vllm.state import VllmSession
 
 FORMAT = "llava-vllm-session/2"
@@ -71,8 +71,13 @@ def _picture(array: Any, uuid: str, raw: bool, i: int) -> VllmImage:
         raise ValueError(f"the snapshot's picture {i} is not RGB pixels")
     if raw and array.shape[0] * array.shape[1] > MAX_PNG_PIXELS:
         raise ValueError(f"the snapshot's picture {i} is larger than any the kit keeps")
-    png = encode(Image.fromarray(array)) if raw else array.tobytes()
     try:
-        return VllmImage.restored(png, uuid)
+        if not raw:
+            return VllmImage.restored(array.tobytes(), uuid)
+        image = VllmImage.of(Image.fromarray(array))  # named and encoded from its pixels once
+        image.processed()
+        if image.uuid != uuid:
+            raise ValueError("the picture does not match its content id")
+        return image
     except ValueError as exc:
         raise ValueError(f"the snapshot's picture {i}: {exc}") from exc
