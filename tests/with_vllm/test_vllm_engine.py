@@ -523,3 +523,24 @@ def test_a_stream_goes_on_while_a_picture_is_processed(
         engine.start_turn(opening.state, QUESTIONS[0], GenerationParams(max_new_tokens=TOKENS)),
     )
     assert asked.generated == oracle.answer(messages([], QUESTIONS[0], 0), [new_pic], TOKENS)
+
+
+def test_on_a_cpu_a_seeded_prompt_longer_than_a_step_is_refused_not_fatal(built: Any) -> None:
+    """vLLM 0.32 on a CPU cannot rewind a seeded request's generator after a partial prefill
+    ('CPU Generator does not use offset'): its engine core dies with every answer in flight.
+    At 64 tokens a step, a seeded sampled turn asking 100 words is a 400 naming `seed`, and the
+    engine answers on: greedy as before, sampled without a seed."""
+    from llava.engines.vllm import VllmEngine
+
+    engine = VllmEngine.load(built("tiny-vllm"), vllm_config(step_token_budget=64))
+    core = engine.requests.llm
+    state = open_session(engine, picture(23))
+    first = run(engine, engine.start_turn(state, QUESTIONS[0], GenerationParams(max_new_tokens=4)))
+    seeded = GenerationParams(max_new_tokens=4, temperature=0.8, seed=3)
+    with pytest.raises(InvalidRequest, match="seed") as refused:
+        refused_on_step(engine, engine.start_turn(state, "word " * 100, seeded))
+    assert refused.value.field == "seed"
+    unseeded = GenerationParams(max_new_tokens=4, temperature=0.8)
+    assert len(run(engine, engine.start_turn(state, "word " * 100, unseeded)).generated) == 4
+    again = run(engine, engine.start_turn(state, QUESTIONS[2], GenerationParams(max_new_tokens=4)))
+    assert engine.requests.llm is core and again.generated and first.generated

@@ -71,7 +71,8 @@ def step_tokens(configured: int) -> int | None:
     pictures open (on llava15 here, 2 cores: 28x the quiet median gap at vLLM's 4,096, 12x at
     256, 5.4x at 64; bench/results/gaps-vllm*.json), but on a CPU vLLM 0.32 fails a seeded
     request whose prompt is chunked ("CPU Generator does not use offset") and its engine core
-    with it, so the default stays vLLM's until the kit keeps seeded prompts whole there."""
+    with it (requests.whole_seeded_prompt_limit refuses a lone one; seeded prompts arriving
+    together can still share a step), so the default stays vLLM's."""
     return configured or None
 
 
