@@ -45,8 +45,11 @@ def checkout(root: Path) -> Path:
 
 
 def make(root: Path, *args: str, port: int) -> list[str]:
+    """`make` in a copy, never reinstalling the shared venv (`-o` its stamp): where the stamp is
+    older than pyproject.toml, make would install the kit editable from the copy, deleted after."""
     return [
-        "make", "-C", str(root), *args, f"VENV={VENV}", f"PORT={port}",
+        "make", "-C", str(root), "-o", f"{VENV}/bin/.installed", *args, f"VENV={VENV}",
+        f"PORT={port}",
         f"MODEL={CHECKOUT / 'models' / 'shapes'}", f"STORE={root / 'model-store'}",
     ]  # fmt: skip
 
