@@ -8,13 +8,16 @@ are compared with vLLM's own offline `generate` on the whole conversation (in th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import signal
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +32,7 @@ from helpers import ask, data_uri, open_session, post  # noqa: E402
 
 from llava.api.headers import SESSION_HEADER  # noqa: E402
 from llava.fronts.torchserve.launcher import TorchServe  # noqa: E402
-from llava.tools.archive import build_archive  # noqa: E402
+from llava.tools.archive import MODEL_CONFIG, build_archive  # noqa: E402
 from llava.tools.tiny.scenes import draw_scene  # noqa: E402
 
 TOKENS = 8
@@ -75,19 +78,105 @@ def expected(oracle: Oracle, history: list[tuple[str, str]], question: str, pic:
     return expected_text(oracle, history, question, pic, TOKENS)
 
 
-def engine_core(server: TorchServe) -> psutil.Process:
-    """Find vLLM's engine core: a child of the TorchServe worker."""
+def engine_cores(server: TorchServe) -> list[psutil.Process]:
+    """vLLM's engine cores running under the server's TorchServe workers."""
+    cores = []
     for proc in psutil.process_iter(["cmdline"]):
         cmdline = " ".join(proc.info["cmdline"] or [])
         if "model_service_worker" in cmdline and str(server.worker_port) in cmdline:
-            children = proc.children(recursive=True)
-            cores = [c for c in children if "EngineCore" in c.name() or "spawn" in c.cmdline()[-1]]
-            assert cores, [c.cmdline() for c in children]
-            return cores[0]
-    raise AssertionError("no TorchServe worker found")
+            children: list[psutil.Process] = []
+            with contextlib.suppress(psutil.NoSuchProcess):
+                children = proc.children(recursive=True)
+            for child in children:
+                with contextlib.suppress(psutil.NoSuchProcess):  # a killed core not reaped yet
+                    if child.status() != psutil.STATUS_ZOMBIE and is_core(child):
+                        cores.append(child)
+    return cores
+
+
+def is_core(proc: psutil.Process) -> bool:
+    """vLLM's engine core or its executor's worker (named so as they start)."""
+    return proc.name().startswith("VLLM::")
+
+
+def engine_core(server: TorchServe) -> psutil.Process:
+    """Find vLLM's engine core: a child of the TorchServe worker."""
+    cores = [core for core in engine_cores(server) if "EngineCore" in core.name()]
+    assert cores, "no engine core under a TorchServe worker"
+    return cores[0]
 
 
 FAULTS = {"killed": signal.SIGKILL, "hung": signal.SIGSTOP}  # hung: the watchdog kills it
+
+
+@dataclass
+class Chats:
+    """Sessions with a finished first turn and an answer streaming each, and as many new
+    sessions opening, when the fault struck."""
+
+    pics: list[Any]
+    sids: list[str]
+    firsts: list[str]
+    streams: list[Streaming]
+    new_pics: list[Any]
+    opened: list[httpx.Response]
+
+    def check(self, client: httpx.Client, url: str, oracle: Oracle, first: httpx.Response) -> None:
+        """Every session answers as vLLM's own generate at its last finished turn (`first`:
+        the first session's answer, already asked), at least one answer was cut, and every
+        session that opened answers as vLLM does on its picture; a refused open left none."""
+        answers = [first.json()["text"]] + [
+            ask(client, url, sid, QUESTIONS[1], max_new_tokens=TOKENS)["text"]
+            for sid in self.sids[1:]
+        ]
+        cut = 0
+        for pic, first_text, stream, answer in zip(
+            self.pics, self.firsts, self.streams, answers, strict=True
+        ):
+            history = [(QUESTIONS[0], first_text), *stream.finished()]
+            cut += not stream.finished()
+            assert answer == expected(oracle, history, QUESTIONS[1], pic)
+        assert cut, "every answer finished before the fault: nothing was cut"
+        for pic, reply in zip(self.new_pics, self.opened, strict=True):
+            if reply.status_code != 200:  # refused while the engine was down: nothing opened
+                assert reply.status_code == 503, reply.text
+                assert reply.json()["error"]["code"] == "engine_restarting"
+                continue
+            sid = reply.json()["session_id"]
+            text = ask(client, url, sid, QUESTIONS[0], max_new_tokens=TOKENS)["text"]
+            assert text == expected(oracle, [], QUESTIONS[0], pic)
+
+
+def fault_mid_stream_and_mid_open(
+    client: httpx.Client, url: str, chats: int, seed: int, fault: Callable[[], None]
+) -> Chats:
+    """Open `chats` sessions and answer their first question; then, while each streams a long
+    answer and as many new sessions open with 1024x768 pictures, run `fault`; return when every
+    stream and open has ended."""
+    pics = [picture(seed + i) for i in range(chats)]
+    new_pics = [picture(seed + 100 + i).resize((1024, 768)) for i in range(chats)]
+    sids = [open_session(client, url, data_uri(pic)) for pic in pics]
+    firsts = [ask(client, url, sid, QUESTIONS[0], max_new_tokens=TOKENS)["text"] for sid in sids]
+    streams = [Streaming(client, url, sid) for sid in sids]
+    for stream in streams:
+        assert stream.begun.wait(60), "an answer did not begin"
+    with ThreadPoolExecutor(chats) as pool:
+        sent = threading.Semaphore(0)
+
+        def opening(pic: Any) -> httpx.Response:
+            body = {"type": "open_session", "image": data_uri(pic)}
+            hooks = {"request": [lambda request: sent.release()]}
+            with httpx.Client(timeout=180, event_hooks=hooks) as own:
+                return own.post(url, json=body)
+
+        opens = [pool.submit(opening, pic) for pic in new_pics]
+        for _ in new_pics:
+            assert sent.acquire(timeout=60)
+        fault()  # mid-stream, and mid-open
+        for stream in streams:
+            stream.thread.join(180)
+        opened = [future.result() for future in opens]
+    return Chats(pics, sids, firsts, streams, new_pics, opened)
 
 
 @pytest.mark.parametrize("chats", [1, 8])
@@ -102,55 +191,113 @@ def test_the_engine_core_killed_or_hung_costs_no_finished_turn(
     finished turn, as does every session that opened."""
     url = server.url("/predictions/llava")
     seed = 1000 * chats + (0 if fault == "killed" else 500)
-    pics = [picture(seed + i) for i in range(chats)]
-    new_pics = [picture(seed + 100 + i).resize((1024, 768)) for i in range(chats)]
     limits = httpx.Limits(max_connections=4 * chats + 4)
     with httpx.Client(timeout=180, limits=limits) as client:
-        sids = [open_session(client, url, data_uri(pic)) for pic in pics]
-        firsts = [
-            ask(client, url, sid, QUESTIONS[0], max_new_tokens=TOKENS)["text"] for sid in sids
-        ]
         core = engine_core(server)
-        streams = [Streaming(client, url, sid) for sid in sids]
-        for stream in streams:
-            assert stream.begun.wait(60), "an answer did not begin"
-        with ThreadPoolExecutor(chats) as pool:
-            sent = threading.Semaphore(0)
-
-            def opening(pic: Any) -> httpx.Response:
-                body = {"type": "open_session", "image": data_uri(pic)}
-                hooks = {"request": [lambda request: sent.release()]}
-                with httpx.Client(timeout=180, event_hooks=hooks) as own:
-                    return own.post(url, json=body)
-
-            opens = [pool.submit(opening, pic) for pic in new_pics]
-            for _ in new_pics:
-                assert sent.acquire(timeout=60)
-            os.kill(core.pid, FAULTS[fault])  # mid-stream, and mid-open
-            for stream in streams:
-                stream.thread.join(180)
-            opened = [future.result() for future in opens]
+        done = fault_mid_stream_and_mid_open(
+            client, url, chats, seed, lambda: os.kill(core.pid, FAULTS[fault])
+        )
         body = {"type": "query", "prompt": QUESTIONS[1], "max_new_tokens": TOKENS}
-        r = until_engine_back(client, url, sids[0], body)
-        assert r.status_code == 200, r.text
+        first = until_engine_back(client, url, done.sids[0], body)
+        assert first.status_code == 200, first.text
         assert not core.is_running()
-        answers = [r.json()["text"]] + [
-            ask(client, url, sid, QUESTIONS[1], max_new_tokens=TOKENS)["text"] for sid in sids[1:]
-        ]
-        cut = 0
-        for pic, first, stream, answer in zip(pics, firsts, streams, answers, strict=True):
-            history = [(QUESTIONS[0], first), *stream.finished()]
-            cut += not stream.finished()
-            assert answer == expected(oracle, history, QUESTIONS[1], pic)
-        assert cut, "every answer finished before the fault: nothing was cut"
-        for pic, reply in zip(new_pics, opened, strict=True):
-            if reply.status_code != 200:  # refused while the engine was down: nothing opened
-                assert reply.status_code == 503, reply.text
-                assert reply.json()["error"]["code"] == "engine_restarting"
-                continue
-            sid = reply.json()["session_id"]
-            text = ask(client, url, sid, QUESTIONS[0], max_new_tokens=TOKENS)["text"]
-            assert text == expected(oracle, [], QUESTIONS[0], pic)
+        done.check(client, url, oracle, first)
+
+
+class CoreKiller:
+    """Kill each vLLM engine core the server's workers start, until stopped: an engine that
+    cannot start (as on a GPU that has gone bad)."""
+
+    def __init__(self, server: TorchServe) -> None:
+        self.server = server
+        self.killed = 0
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="core-killer")
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.thread.join()
+
+    def _run(self) -> None:
+        while not self.stopped.wait(0.05):  # a core appears at any moment: look again
+            for core in engine_cores(self.server):
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    core.kill()
+                    self.killed += 1
+
+
+def ping(server: TorchServe) -> int:
+    try:
+        return httpx.get(server.url("/ping"), timeout=5).status_code
+    except httpx.HTTPError:
+        return 0
+
+
+RECOVERY_S = 10  # how long a worker may fail to come back before /ping fails
+
+
+@pytest.fixture(scope="module")
+def failing_server(
+    tmp_path_factory: pytest.TempPathFactory, checkpoint: Path
+) -> Iterator[TorchServe]:
+    """A server whose engine gives up after two tries at starting again, and whose /ping fails
+    once its worker has not come back for RECOVERY_S (300 s in the shipped model-config.yaml)."""
+    config = tmp_path_factory.mktemp("config") / "model-config.yaml"
+    shipped = MODEL_CONFIG.read_text()
+    assert "maxRetryTimeoutInSec: 300" in shipped
+    config.write_text(
+        shipped.replace("maxRetryTimeoutInSec: 300", f"maxRetryTimeoutInSec: {RECOVERY_S}")
+    )
+    store = tmp_path_factory.mktemp("store")
+    build_archive(checkpoint, store, name="llava", config_file=config)
+    env = {
+        **KIT_ENV,
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+        "LLAVA_ENGINE_RESTART_ATTEMPTS": "2",
+    }
+    with TorchServe(store, "llava", workdir=tmp_path_factory.mktemp("ts"), env=env) as ts:
+        yield ts
+
+
+@pytest.mark.parametrize("chats", [1, 8])
+def test_an_engine_that_cannot_start_again_fails_ping_and_costs_no_finished_turn(
+    failing_server: TorchServe, oracle: Oracle, chats: int
+) -> None:
+    """Every engine core killed as it starts, from mid-stream and mid-open at `chats` chats:
+    each answer in flight is cut, the engine gives up after its tries, the worker exits and
+    /ping fails (SageMaker would replace the instance) for as long as no core can start; once
+    one can, /ping is healthy again and every session answers as vLLM's own generate does at
+    its last finished turn, from its snapshot, as does every session that opened."""
+    server = failing_server
+    url = server.url("/predictions/llava")
+    limits = httpx.Limits(max_connections=4 * chats + 4)
+    with httpx.Client(timeout=180, limits=limits) as client:
+        killer = CoreKiller(server)
+        try:
+            done = fault_mid_stream_and_mid_open(client, url, chats, 7000 + chats, killer.start)
+            assert until(lambda: ping(server) != 200, 180), "/ping stayed healthy"
+            assert ping(server) != 200  # still failing while no core can start
+        finally:
+            killer.stop()
+        assert killer.killed >= 2, "the engine's tries to start again were not seen"
+        assert until(lambda: ping(server) == 200, 300), server.log_tail(60)
+        body = {"type": "query", "prompt": QUESTIONS[1], "max_new_tokens": TOKENS}
+        first = until_engine_back(client, url, done.sids[0], body)
+        assert first.status_code == 200, first.text
+        done.check(client, url, oracle, first)
+
+
+def until(condition: Callable[[], bool], timeout_s: float) -> bool:
+    """Poll `condition` (a server's state, which nothing notifies) until true or timeout."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
 
 
 class Streaming:

@@ -53,9 +53,10 @@ def _phrase(status: int) -> str:
 
 def exit_when_engine_fails(instance: Any, period_s: float = 1.0) -> None:
     """End the worker once its engine has failed for good (`Engine.failure`): TorchServe starts
-    a new worker, and /ping answers 503 until one is ready, so SageMaker replaces an instance
-    whose engine cannot start. Sessions are flushed first; they resume from their snapshots
-    (or the shared store) wherever they are asked next."""
+    new workers, and once none has come back for `maxRetryTimeoutInSec` (model-config.yaml)
+    /ping fails, so SageMaker replaces an instance whose engine cannot start. Sessions are
+    flushed first; they resume from their snapshots (or the shared store) wherever they are
+    asked next."""
 
     def watch() -> None:
         while (failure := instance.service.engine.failure) is None:
