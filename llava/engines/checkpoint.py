@@ -7,21 +7,65 @@ import hashlib
 import importlib
 import json
 import logging
+import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 log = logging.getLogger(__name__)
 
 
+# A checkpoint's small files that shape its answers (read whole), beside its weights (sampled).
+IDENTITY_FILES = frozenset(
+    {
+        "config.json", "generation_config.json", "chat_template.jinja", "chat_template.json",
+        "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+        "added_tokens.json", "vocab.json", "merges.txt", "preprocessor_config.json",
+        "processor_config.json",
+    }
+)  # fmt: skip
+SAMPLE_BYTES = 64  # read at each tensor's start, middle and end
+BLOCKS = 64  # a pickled weight file (no index of its tensors): evenly spaced blocks of 4 KiB
+
+
 def model_fingerprint(model_dir: Path) -> str:
-    """Identify a checkpoint by its config and its weight files' names and sizes."""
+    """Identify a checkpoint by its small files and a sample of every weight tensor (its
+    first, middle and last bytes), so fine-tunes of one base differ without reading
+    gigabytes at start."""
     digest = hashlib.sha256()
     for path in sorted(model_dir.iterdir()):
-        if path.name == "config.json":
-            digest.update(path.read_bytes())
+        if path.name in IDENTITY_FILES:
+            digest.update(f"{path.name};".encode() + path.read_bytes())
         elif path.suffix in (".safetensors", ".bin"):
             digest.update(f"{path.name}:{path.stat().st_size};".encode())
+            with path.open("rb") as file:
+                sample = _sample_safetensors if path.suffix == ".safetensors" else _sample_blocks
+                for offset, size in sample(file, path.stat().st_size):
+                    digest.update(read_at(file, offset, size))
     return digest.hexdigest()[:32]
+
+
+def read_at(file: BinaryIO, offset: int, size: int) -> bytes:
+    file.seek(offset)
+    return file.read(size)
+
+
+def _sample_safetensors(file: BinaryIO, total: int) -> list[tuple[int, int]]:
+    """Its header whole, then three short reads in each tensor (by the header's offsets)."""
+    (length,) = struct.unpack("<Q", read_at(file, 0, 8))
+    header = json.loads(read_at(file, 8, length))
+    spans = [(0, 8 + length)]
+    for name in sorted(header):
+        if name == "__metadata__":
+            continue
+        start, end = (8 + length + at for at in header[name]["data_offsets"])
+        for at in (start, (start + end) // 2, end - SAMPLE_BYTES):
+            spans.append((max(start, at), min(SAMPLE_BYTES, end - start)))
+    return spans
+
+
+def _sample_blocks(file: BinaryIO, total: int) -> list[tuple[int, int]]:
+    step = max(total // BLOCKS, 1)
+    return [(at, 4096) for at in range(0, total, step)]
 
 
 def load_processor(model_dir: Path) -> Any:
