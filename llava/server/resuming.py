@@ -110,9 +110,9 @@ class SessionResumer(Generic[StateT, TurnT]):
         self, sid: str, item: Any, *, explicit: bool = False, close: bool = False
     ) -> Resuming:
         """Start reading `sid`'s state (on a reader thread); refuse at once when this instance
-        has no room for another session."""
+        could not make room for another session (it makes it once the state is read)."""
         if not close:
-            self.store.make_room()
+            self.store.make_room(evict=False)
         return Resuming(sid, self.shared.fetch(sid), item, explicit, close)
 
     def finish(self, work: Resuming) -> Session | None:

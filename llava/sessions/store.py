@@ -110,14 +110,18 @@ class SessionStore:
             self._slots.add(slot.id)
             return slot
 
-    def make_room(self) -> None:
+    def make_room(self, evict: bool = True) -> None:
         """Make room for one more session (reaping, then evicting the least recently used idle
-        header-less chat) or raise `CapacityExceeded` (429): an open's or a resume's."""
+        header-less chat) or raise `CapacityExceeded` (429): an open's or a resume's. With
+        `evict` False, only check that room could be made (a resume not yet read: an id the
+        store may not know must not cost a chat its cache)."""
         with self._lock:
             self.reap()
             if len(self._sessions) + len(self._slots) >= self.max_sessions:
                 idle = idle_sessions(list(self._sessions.values()), None)
                 implicit = [s for s in idle if s.info.get("implicit")]
+                if implicit and not evict:
+                    return
                 if implicit:
                     self._end(implicit[0], EVICTED)
             if len(self._sessions) + len(self._slots) >= self.max_sessions:

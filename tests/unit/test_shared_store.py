@@ -510,3 +510,23 @@ def test_a_drain_saves_again_what_the_store_never_got(tiny_checkpoint, tmp_path,
     assert inst.shared.fetch(sid).result(10) != before  # the answered turn is in the store
     inst.service.close()
     inst.shared.close()
+
+
+def test_an_unknown_session_id_evicts_no_chat(tiny_checkpoint, tmp_path, s3_url) -> None:
+    """A full instance holding a header-less chat: a request naming an id the store does not
+    know is session_not_found, and the chat keeps its cache (it was evicted before the store
+    was read)."""
+    full = instance(tiny_checkpoint, tmp_path, s3_url, "one-chat", max_sessions=1)
+    try:
+        picture = {"type": "image_url", "image_url": {"url": data_uri(make_image(70))}}
+        text = {"type": "text", "text": "What is this?"}
+        body = {"model": "llava", "max_tokens": TOKENS}
+        messages = [{"role": "user", "content": [picture, text]}]
+        status, _ = call(full, {**body, "messages": messages})
+        assert status == 200 and len(full.service.store) == 1
+        status, reply = ask(full, new_session_id(), "Hello?")
+        assert status == 400 and reply["error"]["code"] == "session_not_found"
+        assert len(full.service.store) == 1  # the chat is still held
+    finally:
+        full.service.close()
+        full.shared.close()
