@@ -20,8 +20,9 @@ class ObjectStore(Protocol):
         """Write an object; return its ETag."""
         ...
 
-    def get(self, key: str, max_bytes: int) -> bytes | None:
-        """Return an object's bytes, None if there is none; ValueError past `max_bytes`."""
+    def get(self, key: str, max_bytes: int) -> tuple[bytes, str] | None:
+        """Return an object's bytes and ETag, None if there is none; ValueError past
+        `max_bytes`."""
         ...
 
     def etag(self, key: str) -> str | None:
@@ -100,7 +101,7 @@ class S3Objects:
         )
         return str(out.get("ETag", ""))
 
-    def get(self, key: str, max_bytes: int) -> bytes | None:
+    def get(self, key: str, max_bytes: int) -> tuple[bytes, str] | None:
         try:
             out = self.client.get_object(Bucket=self.bucket, Key=key)
         except Exception as exc:
@@ -116,7 +117,7 @@ class S3Objects:
             body.close()
         if len(data) > max_bytes:
             raise ValueError(f"{key} is over {max_bytes} bytes")
-        return bytes(data)
+        return bytes(data), str(out.get("ETag", ""))
 
     def etag(self, key: str) -> str | None:
         try:

@@ -14,8 +14,8 @@ Reading happens on reader threads (`fetch` returns a future): a request for a se
 instance does not hold waits for it like an image, never stalling other streams.
 
 Deletion follows the session's end: a close deletes the object; an expiry or a loss deletes it
-only if it is still the one this instance wrote (another instance may have resumed the session
-and written since); an eviction keeps it, so the session resumes from the store on its next
+only if it is still the one this instance wrote or resumed from (another instance may have
+resumed the session and written since); an eviction keeps it, so the session resumes from the store on its next
 request instead of being lost.
 """
 
@@ -192,13 +192,22 @@ class SharedStore:
                 self._reads -= 1
 
     def _get(self, sid: str) -> bytes:
-        data = self.objects.get(self.location.key(sid), MAX_OBJECT_BYTES)
-        if data is None:
+        stored = self.objects.get(self.location.key(sid), MAX_OBJECT_BYTES)
+        if stored is None:
             raise NotStored(sid)
+        data, etag = stored
         payload = unseal(self._key, sid, data)
         with self._cond:
             self._counts["resumes"] += 1
+            self._own(sid, etag)  # resumed here: its expiry here deletes it, if still this one
         return payload
+
+    def _own(self, sid: str, etag: str) -> None:
+        """Remember `sid`'s object as the one this instance holds (for conditional deletes)."""
+        self._ours.pop(sid, None)
+        self._ours[sid] = etag
+        while len(self._ours) > WRITTEN_MEMORY:
+            self._ours.popitem(last=False)
 
     def holds(self, sid: str) -> bool:
         """Tell whether the store has an object for `sid` (blocking: start-up only); False if
@@ -281,10 +290,7 @@ class SharedStore:
             data = seal(self._key, sid, write.produce())
             etag = self.objects.put(key, data)
             with self._cond:
-                self._ours.pop(sid, None)
-                self._ours[sid] = etag
-                while len(self._ours) > WRITTEN_MEMORY:
-                    self._ours.popitem(last=False)
+                self._own(sid, etag)
                 self._bytes[sid] = len(data)
                 self._dirty.discard(sid)
                 self._counts["writes"] += 1

@@ -181,6 +181,25 @@ def test_a_session_ended_by_its_user_goes_and_one_resumed_elsewhere_stays(s3_url
     there.close()
 
 
+def test_a_session_resumed_here_that_expires_here_is_deleted(s3_url: str) -> None:
+    """Resumed here and expired here without a new write: its object goes (it was left until
+    a lifecycle rule, and a stale copy could be resumed); one written since elsewhere stays."""
+    there, here = shared(s3_url, "resumed"), shared(s3_url, "resumed")
+    idle, moved = new_session_id(), new_session_id()
+    for sid in (idle, moved):
+        there.save(sid, lambda: b"there")
+    assert there.flush(10)
+    assert here.fetch(idle).result(10) == b"there" == here.fetch(moved).result(10)
+    there.save(moved, lambda: b"there again")  # resumed back there, and answered
+    assert there.flush(10)
+    here.remove(idle, EXPIRED)
+    here.remove(moved, EXPIRED)
+    assert here.flush(10)
+    assert keys(s3_url, "resumed/") == [f"resumed/{moved}.snap"]
+    here.close()
+    there.close()
+
+
 def test_a_store_that_is_down_costs_writes_never_a_caller(s3_url: str) -> None:
     location = StoreLocation.parse(f"s3://{BUCKET}/down")
     dead = S3Objects.connect(BUCKET, endpoint_url="http://127.0.0.1:9", timeout_s=0.5)
