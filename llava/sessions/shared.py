@@ -15,8 +15,8 @@ instance does not hold waits for it like an image, never stalling other streams.
 
 Deletion follows the session's end: a close deletes the object; an expiry or a loss deletes it
 only if it is still the one this instance wrote or resumed from (another instance may have
-resumed the session and written since); an eviction keeps it, so the session resumes from the store on its next
-request instead of being lost.
+resumed the session and written since); an eviction keeps it, so the session resumes from the
+store on its next request instead of being lost.
 """
 
 from __future__ import annotations
