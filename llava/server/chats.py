@@ -132,6 +132,9 @@ class ChatDesk(Generic[StateT, TurnT]):
         session = self.store.add(work.adopt, state, state.nbytes, implicit=True, key=work.key)
         work.adopt, work.kept = None, True
         self._held.setdefault(work.key or "", []).append(session.id)
+        if len(self._held) > 2 * self.store.max_sessions:  # keys of chats long gone: drop them
+            for key in list(self._held):
+                self._candidates(key)
         return True
 
     def _answer_kept(
@@ -165,8 +168,12 @@ class ChatDesk(Generic[StateT, TurnT]):
     def _is_held(self, request: ChatCompletion) -> Callable[[str], bool]:
         """What tells the image threads that a session holds this image (skip preparing it)."""
 
-        def known(digest: str) -> bool:
-            return bool(self._held.get(self._key(digest, request)))
+        def known(digest: str) -> bool:  # on an image thread: reads, never prunes
+            for sid in list(self._held.get(self._key(digest, request), ())):
+                session = self.store.peek(sid)
+                if session is not None and session.state is not None:
+                    return True
+            return False  # none, or every one has ended since: prepare them now, once
 
         return known
 

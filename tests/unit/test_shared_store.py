@@ -549,3 +549,35 @@ def test_an_unknown_session_id_evicts_no_chat(tiny_checkpoint, tmp_path, s3_url)
     finally:
         full.service.close()
         full.shared.close()
+
+
+def test_a_chat_back_after_its_ttl_fetches_its_pictures_once(
+    tiny_checkpoint, tmp_path, s3_url, monkeypatch
+) -> None:
+    """A header-less chat whose kept session expired: its next turn loads and prepares its
+    pictures once (they were skipped as held, then loaded again when nothing held them)."""
+    inst = instance(tiny_checkpoint, tmp_path, s3_url, "ttl-chat")
+    try:
+        picture = {"type": "image_url", "image_url": {"url": data_uri(make_image(71))}}
+        first = [{"role": "user", "content": [picture, {"type": "text", "text": "What is it?"}]}]
+        body = {"model": "llava", "max_tokens": TOKENS}
+        status, reply = call(inst, {**body, "messages": first})
+        assert status == 200 and len(inst.service.store) == 1
+        store = inst.service.store
+        monkeypatch.setattr(store, "ttl_s", 1e-6)
+        assert len(store.reap()) == 1
+        monkeypatch.setattr(store, "ttl_s", 1200.0)
+        loads: list[int] = []
+        images = inst.service.chats.images
+        submit_all = images.submit_all
+        monkeypatch.setattr(
+            images, "submit_all", lambda *a, **k: loads.append(1) or submit_all(*a, **k)
+        )
+        answer = reply["choices"][0]["message"]["content"]
+        again = [*first, {"role": "assistant", "content": answer}]
+        again.append({"role": "user", "content": "And its colour?"})
+        status, _ = call(inst, {**body, "messages": again})
+        assert status == 200 and len(loads) == 1
+    finally:
+        inst.service.close()
+        inst.shared.close()
