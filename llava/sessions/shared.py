@@ -21,6 +21,8 @@ store on its next request instead of being lost.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import threading
 import time
@@ -97,6 +99,7 @@ class SharedStore:
         self.max_pending = max_pending
         self.retry_s = retry_s
         self._key = store_key(location.uri, secret)
+        self._names = hmac.new(self._key, b"object-names", hashlib.sha256).digest()
         self._clock = clock
         self._pending: OrderedDict[str, _Write] = OrderedDict()  # oldest first
         self._busy: tuple[str, _Write] | None = None  # the write in progress
@@ -113,6 +116,12 @@ class SharedStore:
         self._writer = threading.Thread(target=self._run, name="llava-store-write", daemon=True)
         self._writer.start()
         log.info("sessions are kept in the shared store %s", location.uri)
+
+    def object_key(self, sid: str) -> str:
+        """The key of `sid`'s object: named by a MAC of the id under the store's key, so
+        listing the prefix reveals no session id (an id is its conversation's bearer token)."""
+        name = hmac.new(self._names, sid.encode(), hashlib.sha256).hexdigest()[:40]
+        return self.location.key(name)
 
     # -- the step thread's side: never blocks on the network -------------------------------
     def save(self, sid: str, produce: Callable[[], bytes]) -> None:
@@ -192,7 +201,7 @@ class SharedStore:
                 self._reads -= 1
 
     def _get(self, sid: str) -> bytes:
-        stored = self.objects.get(self.location.key(sid), MAX_OBJECT_BYTES)
+        stored = self.objects.get(self.object_key(sid), MAX_OBJECT_BYTES)
         if stored is None:
             raise NotStored(sid)
         data, etag = stored
@@ -215,7 +224,7 @@ class SharedStore:
         if self._unreachable:  # one failed look-up is enough: start-up must not crawl
             return False
         try:
-            return self.objects.etag(self.location.key(sid)) is not None
+            return self.objects.etag(self.object_key(sid)) is not None
         except Exception as exc:
             log.warning("shared session store unreachable (%s): using local snapshots", exc)
             self._unreachable = True
@@ -285,7 +294,7 @@ class SharedStore:
                     self._cond.notify_all()
 
     def _apply(self, sid: str, write: _Write) -> None:
-        key = self.location.key(sid)
+        key = self.object_key(sid)
         if write.produce is not None:
             data = seal(self._key, sid, write.produce())
             etag = self.objects.put(key, data)

@@ -82,7 +82,7 @@ def test_a_saved_state_is_sealed_in_the_bucket_and_read_back(s3_url: str) -> Non
     store.save(sid, lambda: b"state")
     assert store.flush(10)
     [key] = keys(s3_url, "one/")
-    assert key == f"one/{sid}.snap"
+    assert key == store.object_key(sid) and sid not in key  # no listing reveals an id
     body = raw(s3_url).get_object(Bucket=BUCKET, Key=key)["Body"].read()
     assert body != b"state" and body.endswith(b"state")  # sealed, not the bare payload
     assert store.fetch(sid).result(10) == b"state"
@@ -129,10 +129,10 @@ def test_a_damaged_moved_or_foreign_object_is_refused(s3_url: str, damage: str) 
     sid, other = new_session_id(), new_session_id()
     store.save(sid, lambda: b"x" * 100)
     assert store.flush(10)
-    key = f"damage/{sid}.snap"
+    key = store.object_key(sid)
     data = raw(s3_url).get_object(Bucket=BUCKET, Key=key)["Body"].read()
     if damage == "other-session":  # a valid object copied under another session's key
-        raw(s3_url).put_object(Bucket=BUCKET, Key=f"damage/{other}.snap", Body=data)
+        raw(s3_url).put_object(Bucket=BUCKET, Key=store.object_key(other), Body=data)
         sid = other
     elif damage == "foreign":  # sealed by another endpoint's store (its prefix), put here
         foreign = seal(store_key(f"s3://{BUCKET}/elsewhere"), sid, b"x" * 100)
@@ -152,10 +152,11 @@ def test_a_secret_refuses_objects_sealed_without_it(s3_url: str) -> None:
     assert writer.flush(10)
     assert writer.fetch(sid).result(10) == b"state"
     forger = shared(s3_url, "secret")  # knows the bucket and prefix, not the secret
-    with pytest.raises(CorruptSnapshot):
+    with pytest.raises(NotStored):  # nor where the session's object is
         forger.fetch(sid).result(10)
-    forger.save(sid, lambda: b"forged")
-    assert forger.flush(10)
+    [key] = keys(s3_url, "secret/")  # a listing shows the object, not whose it is
+    forged = seal(store_key(f"s3://{BUCKET}/secret"), sid, b"forged")
+    raw(s3_url).put_object(Bucket=BUCKET, Key=key, Body=forged)
     with pytest.raises(CorruptSnapshot):
         writer.fetch(sid).result(10)
     writer.close()
@@ -175,7 +176,7 @@ def test_a_session_ended_by_its_user_goes_and_one_resumed_elsewhere_stays(s3_url
     here.remove(moved, EXPIRED)
     here.remove(evicted, EVICTED)
     assert here.flush(10)
-    assert keys(s3_url, "ends/") == sorted(f"ends/{s}.snap" for s in (moved, evicted))
+    assert keys(s3_url, "ends/") == sorted(here.object_key(s) for s in (moved, evicted))
     assert there.fetch(moved).result(10) == b"there"
     here.close()
     there.close()
@@ -195,7 +196,7 @@ def test_a_session_resumed_here_that_expires_here_is_deleted(s3_url: str) -> Non
     here.remove(idle, EXPIRED)
     here.remove(moved, EXPIRED)
     assert here.flush(10)
-    assert keys(s3_url, "resumed/") == [f"resumed/{moved}.snap"]
+    assert keys(s3_url, "resumed/") == [here.object_key(moved)]
     here.close()
     there.close()
 
@@ -286,7 +287,7 @@ def test_a_conversation_begun_on_one_instance_goes_on_on_another(pair, reference
     status, closed = call(b, {"type": "close_session"}, sid)
     assert status == 200 and closed["closed"]
     assert b.shared.flush(10)
-    assert f"endpoint/llava/{sid}.snap" not in keys(s3_url, "endpoint/")
+    assert b.shared.object_key(sid) not in keys(s3_url, "endpoint/")
 
 
 def test_a_client_can_resume_explicitly_and_is_pinned_to_the_new_instance(pair, reference):
@@ -319,7 +320,7 @@ def test_a_damaged_or_expired_stored_state_costs_its_own_session_only(pair, s3_u
     ]
     damaged, expired, fine = (s["session_id"] for s in sids)
     assert a.shared.flush(10)
-    key = f"endpoint/llava/{damaged}.snap"
+    key = a.shared.object_key(damaged)
     data = raw(s3_url).get_object(Bucket=BUCKET, Key=key)["Body"].read()
     raw(s3_url).put_object(Bucket=BUCKET, Key=key, Body=data[:-100])
     status, body = ask(b, damaged, "Hello?")
@@ -349,9 +350,7 @@ def test_a_stored_state_of_another_model_costs_its_own_session_only(pair, s3_url
     key = store_key(f"s3://{BUCKET}/endpoint/llava")
     payload = a.shared.fetch(sid).result(10)
     other = with_meta(payload, lambda meta: meta.update(model="another-checkpoint"))
-    raw(s3_url).put_object(
-        Bucket=BUCKET, Key=f"endpoint/llava/{sid}.snap", Body=seal(key, sid, other)
-    )
+    raw(s3_url).put_object(Bucket=BUCKET, Key=a.shared.object_key(sid), Body=seal(key, sid, other))
     status, body = ask(b, sid, "Hello?")
     assert status == 400 and body["error"]["code"] == "session_lost"
     assert "different model" in body["error"]["message"]
@@ -383,7 +382,7 @@ def test_a_draining_instance_takes_no_new_session_and_flushes_every_held_one(
     outcome = inst.drain(grace_s=5)
     assert outcome["flushed"] and outcome["cut"] == 0
     assert inst.shared.stats()["pending"] == 0
-    assert f"endpoint/llava/{sid}.snap" in keys(s3_url, "endpoint/")
+    assert inst.shared.object_key(sid) in keys(s3_url, "endpoint/")
     status, body = ask(inst, sid, "And now?")  # past the drain nothing is admitted
     assert status == 503 and body["error"]["code"] == "draining"
     from llava.fronts.gauges import Gauges
