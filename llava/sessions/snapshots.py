@@ -5,6 +5,8 @@ caches with it, but what rebuilds them is small: the token ids of the conversati
 features. After an open and after each finished turn the service hands this directory a
 snapshot *producer* (the engine's `snapshot`: cheap references taken on the step thread); one
 writer thread serialises it and writes `<id>.snap` atomically (temporary file, then rename),
+the latest of each session only (a newer one replaces a snapshot not yet written, so what waits
+is bounded by the sessions, however far behind the disk is),
 readable by the worker's user only. A session's file goes when the session ends (closed,
 expired, evicted). A disk budget bounds the directory: past it, the snapshots written longest
 ago go first, and those sessions would answer `session_lost` after a restart.
@@ -21,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import queue
 import shutil
 import tempfile
 import threading
@@ -56,7 +57,12 @@ class SnapshotDir:
         os.chmod(self.path, 0o700)
         self._sizes: OrderedDict[str, int] = OrderedDict()  # written longest ago first
         self._lock = threading.Lock()
-        self._queue: queue.Queue[tuple[str, Callable[[], bytes] | None] | None] = queue.Queue()
+        # what waits, per session (latest only: a newer save or a removal replaces it), oldest
+        # first, so the queue never holds more than one entry per session
+        self._pending: OrderedDict[str, Callable[[], bytes] | None] = OrderedDict()
+        self._busy = False
+        self._closed = False
+        self._cond = threading.Condition()
         self._writer = threading.Thread(target=self._run, name="llava-snapshots", daemon=True)
         self._writer.start()
 
@@ -74,12 +80,19 @@ class SnapshotDir:
 
     # -- the step thread's side: never blocks on the disk ----------------------------------
     def save(self, sid: str, produce: Callable[[], bytes]) -> None:
-        """Queue a snapshot of `sid` (produced and written on the writer thread)."""
-        self._queue.put((sid, produce))
+        """Queue a snapshot of `sid` (produced and written on the writer thread), replacing
+        one of it not yet written."""
+        self._queue(sid, produce)
 
     def remove(self, sid: str) -> None:
-        """Queue the removal of `sid`'s snapshot (after any save queued before)."""
-        self._queue.put((sid, None))
+        """Queue the removal of `sid`'s snapshot (a save of it not yet written is dropped)."""
+        self._queue(sid, None)
+
+    def _queue(self, sid: str, produce: Callable[[], bytes] | None) -> None:
+        with self._cond:
+            self._pending.pop(sid, None)
+            self._pending[sid] = produce
+            self._cond.notify_all()
 
     def size_of(self, sid: str) -> int:
         """Bytes of `sid`'s snapshot as last written (0 when none is on disk)."""
@@ -93,11 +106,15 @@ class SnapshotDir:
 
     def flush(self) -> None:
         """Wait until every queued save and removal is on disk."""
-        self._queue.join()
+        with self._cond:
+            while self._pending or self._busy:
+                self._cond.wait()
 
     def close(self) -> None:
         """Finish what is queued, then stop the writer thread."""
-        self._queue.put(None)
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
         self._writer.join(timeout=30)
 
     # -- start-up --------------------------------------------------------------------------
@@ -132,19 +149,24 @@ class SnapshotDir:
     # -- the writer thread -----------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
-            try:
-                if item is None:
+            with self._cond:
+                while not self._pending and not self._closed:
+                    self._cond.wait()
+                if not self._pending:
                     return
-                sid, produce = item
+                sid, produce = self._pending.popitem(last=False)
+                self._busy = True
+            try:
                 if produce is None:
                     self._delete(sid)
                 else:
                     self._write(sid, produce)
             except Exception:  # a failed snapshot costs a restart's recovery, never a request
-                log.exception("session snapshot for %s failed", item[0] if item else "?")
+                log.exception("session snapshot for %s failed", sid)
             finally:
-                self._queue.task_done()
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
 
     def _write(self, sid: str, produce: Callable[[], bytes]) -> None:
         payload = produce()

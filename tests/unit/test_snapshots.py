@@ -77,6 +77,32 @@ def test_removal_follows_the_saves_queued_before_it(snaps: SnapshotDir) -> None:
     assert snaps.stats() == {"snapshots": 0, "bytes": 0}
 
 
+def test_a_disk_behind_holds_one_waiting_snapshot_per_session(snaps: SnapshotDir) -> None:
+    """While the writer is held up, 50 turns of one session and a save then removal of another
+    leave one write waiting for the first (the latest) and none for the second."""
+    import threading
+
+    held, writing = threading.Event(), threading.Event()
+    blocker, busy, gone = new_session_id(), new_session_id(), new_session_id()
+    produced: list[bytes] = []
+
+    def blocked() -> bytes:
+        writing.set()
+        held.wait(30)
+        return b"blocker"
+
+    snaps.save(blocker, blocked)
+    assert writing.wait(30)
+    for turn in range(50):
+        snaps.save(busy, lambda turn=turn: produced.append(b"%d" % turn) or b"%d" % turn)
+    snaps.save(gone, lambda: produced.append(b"gone") or b"gone")
+    snaps.remove(gone)
+    held.set()
+    snaps.flush()
+    assert produced == [b"49"] and snaps.read(busy) == b"49"
+    assert not (snaps.path / (gone + SUFFIX)).exists()
+
+
 def test_past_the_disk_budget_the_oldest_snapshots_go(tmp_path: Path) -> None:
     snaps = SnapshotDir(tmp_path / "s", budget_bytes=3 * (32 + 100))
     try:
