@@ -112,9 +112,8 @@ class SessionStore:
 
     def make_room(self, evict: bool = True) -> None:
         """Make room for one more session (reaping, then evicting the least recently used idle
-        header-less chat) or raise `CapacityExceeded` (429): an open's or a resume's. With
-        `evict` False, only check that room could be made (a resume not yet read: an id the
-        store may not know must not cost a chat its cache)."""
+        header-less chat) or raise `CapacityExceeded` (429); `evict` False: only check it could
+        (a resume not yet read: an id the store may not know must not cost a chat its cache)."""
         with self._lock:
             self.reap()
             if len(self._sessions) + len(self._slots) >= self.max_sessions:

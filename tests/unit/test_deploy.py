@@ -1058,3 +1058,37 @@ def botocore_model() -> Any:
     import botocore.session
 
     return botocore.session.get_session().get_service_model("sagemaker")
+
+
+@mock_aws
+def test_the_session_store_gets_a_lifecycle_rule_beside_the_buckets_own() -> None:
+    """Objects no instance deleted expire a day past the TTL after their last write; the
+    bucket's other rules stay, deploying again replaces the kit's rule, and a caller who may
+    not set it is given the rule."""
+    import boto3
+
+    from llava.tools.deploy.store_lifecycle import ensure_lifecycle
+
+    s3 = boto3.client("s3", region_name=REGION)
+    s3.create_bucket(Bucket="bucket")
+    own = {"ID": "logs", "Filter": {"Prefix": "logs/"}, "Status": "Enabled",
+           "Expiration": {"Days": 30}}  # fmt: skip
+    s3.put_bucket_lifecycle_configuration(Bucket="bucket", LifecycleConfiguration={"Rules": [own]})
+    said: list[str] = []
+    for ttl in (1200, 3 * 86_400):  # deployed, then deployed again with a longer TTL
+        rule = ensure_lifecycle(s3, "s3://bucket/sessions/llava", ttl, progress=said.append)
+    assert rule is not None and rule["Filter"] == {"Prefix": "sessions/llava/"}
+    rules = s3.get_bucket_lifecycle_configuration(Bucket="bucket")["Rules"]
+    assert [r["ID"] for r in rules] == ["logs", rule["ID"]]
+    assert rules[1]["Expiration"] == {"Days": 4}
+    assert said[0].endswith("expire 2 days after their last write")
+    with pytest.raises(ValueError, match="whole bucket"):  # never a rule over a whole bucket
+        ensure_lifecycle(s3, "s3://bucket", 1200)
+
+    class Refusing:
+        def get_bucket_lifecycle_configuration(self, **kwargs: Any) -> Any:
+            raise RuntimeError("AccessDenied")
+
+    said.clear()
+    assert ensure_lifecycle(Refusing(), "s3://bucket/p", 1200, progress=said.append) is None
+    assert said[0].startswith("warning: could not set") and '"Days": 2' in said[0]

@@ -14,6 +14,7 @@ from llava.tools.deploy.errors import DeployError, EndpointExistsError
 from llava.tools.deploy.names import validate_name
 from llava.tools.deploy.spec import GPU_AMI, DeploySpec
 from llava.tools.deploy.store_access import check_store_access
+from llava.tools.deploy.store_lifecycle import ensure_lifecycle
 from llava.tools.deploy.teardown import DeleteReport, delete
 from llava.tools.deploy.upload import upload_archive
 
@@ -173,6 +174,7 @@ def run_deploy(args: Any) -> Deployment:
                 kms_key=args.session_store_kms_key or "",
                 region=region,
             )
+            ensure_lifecycle(boto3.client("s3", region_name=region), args.session_store, args.ttl)
         existing = describe_or_none(sm.describe_endpoint, EndpointName=name)
         if existing is not None and not args.update:  # fail before a long build and upload
             raise EndpointExistsError(
