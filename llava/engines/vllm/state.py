@@ -95,5 +95,10 @@ class VllmTurn:
             **answer_usage(prefill, self.cached_tokens, len(self.generated), times),
             "finish_reason": self.finish_reason,
             "session_bytes": self.state.nbytes,
-            "session_tier": self.found_in.value,
+            "session_tier": self.tier().value,
         }
+
+    def tier(self) -> Tier:
+        """Where this answer found its session: on the device if vLLM's prefix cache held any
+        of it (salted per session, so a hit is this session's own), else rebuilt from it."""
+        return Tier.DEVICE if self.cached_tokens else self.found_in
