@@ -10,7 +10,7 @@ import random
 import shutil
 import socket
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -420,3 +420,18 @@ def centre_colour(image: Image.Image, shape: Shape) -> tuple[int, int, int]:
     """Return the pixel at a point inside a drawn shape (a triangle's lower middle)."""
     y = shape.y + (shape.size / 6 if shape.kind == "triangle" else 0)
     return image.getpixel((int(shape.x), int(y)))  # type: ignore[return-value]
+
+
+def stored_sessions(
+    client: Any, bucket: str, store_uri: str, sids: Iterable[str], model: str = "llava"
+) -> dict[str, str]:
+    """Session id -> ETag of each of `sids` with an object in a shared store (objects are
+    named by a MAC of the id, so a listing alone says whose they are to no one)."""
+    from llava.sessions.objects import StoreLocation
+    from llava.sessions.sealed import object_name, store_key
+
+    location = StoreLocation.parse(store_uri).under(model)
+    key = store_key(location.uri)
+    names = {location.key(object_name(key, sid)): sid for sid in sids}
+    listing = client.list_objects_v2(Bucket=bucket).get("Contents", [])
+    return {names[o["Key"]]: o["ETag"] for o in listing if o["Key"] in names}

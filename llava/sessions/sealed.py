@@ -30,6 +30,13 @@ def store_key(location: str, secret: str = "") -> bytes:
     return hashlib.sha256(material).digest()
 
 
+def object_name(key: bytes, sid: str) -> str:
+    """Name `sid`'s object by a MAC of the id under the store's key: a listing of the store
+    reveals no session id (an id is its conversation's bearer token)."""
+    names = hmac.new(key, b"object-names", hashlib.sha256).digest()
+    return hmac.new(names, sid.encode(), hashlib.sha256).hexdigest()[:40]
+
+
 def seal(key: bytes, sid: str, payload: bytes) -> bytes:
     """Wrap a snapshot for the store, bound to `sid` and the key's store."""
     mac = hmac.new(key, MAGIC + sid.encode() + b"\0" + payload, hashlib.sha256).digest()

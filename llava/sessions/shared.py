@@ -21,8 +21,6 @@ store on its next request instead of being lost.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
 import threading
 import time
@@ -33,7 +31,7 @@ from dataclasses import dataclass
 
 from llava.core.errors import StoreUnavailable
 from llava.sessions.objects import ObjectStore, StoreLocation
-from llava.sessions.sealed import seal, store_key, unseal
+from llava.sessions.sealed import object_name, seal, store_key, unseal
 from llava.sessions.session import CLOSED, EVICTED
 
 log = logging.getLogger(__name__)
@@ -99,7 +97,6 @@ class SharedStore:
         self.max_pending = max_pending
         self.retry_s = retry_s
         self._key = store_key(location.uri, secret)
-        self._names = hmac.new(self._key, b"object-names", hashlib.sha256).digest()
         self._clock = clock
         self._pending: OrderedDict[str, _Write] = OrderedDict()  # oldest first
         self._busy: tuple[str, _Write] | None = None  # the write in progress
@@ -118,10 +115,8 @@ class SharedStore:
         log.info("sessions are kept in the shared store %s", location.uri)
 
     def object_key(self, sid: str) -> str:
-        """The key of `sid`'s object: named by a MAC of the id under the store's key, so
-        listing the prefix reveals no session id (an id is its conversation's bearer token)."""
-        name = hmac.new(self._names, sid.encode(), hashlib.sha256).hexdigest()[:40]
-        return self.location.key(name)
+        """The key of `sid`'s object (named by `sealed.object_name`)."""
+        return self.location.key(object_name(self._key, sid))
 
     # -- the step thread's side: never blocks on the network -------------------------------
     def save(self, sid: str, produce: Callable[[], bytes]) -> None:

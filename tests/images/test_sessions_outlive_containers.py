@@ -16,13 +16,14 @@ import contextlib
 import random
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import boto3
 import pytest
 from containers import IMAGES, Container, docker
-from helpers import data_uri
+from helpers import data_uri, stored_sessions
 from oracles import pipeline_answers
 from relay import Relay, expose
 
@@ -61,13 +62,15 @@ def s3_port(moto_port: int) -> int:
     return moto_port
 
 
-def stored(s3_port: int) -> dict[str, str]:
-    """Session id -> ETag of every object in the store."""
+def stored(s3_port: int, sids: Iterable[str] | None = None) -> dict[str, str]:
+    """Session id -> ETag of each of `sids` in the store; with none, every object's key."""
     client = boto3.client(
         "s3", endpoint_url=f"http://127.0.0.1:{s3_port}", region_name="us-east-1", **CREDENTIALS
     )
-    listing = client.list_objects_v2(Bucket=BUCKET).get("Contents", [])
-    return {Path(o["Key"]).stem: o["ETag"] for o in listing}
+    if sids is None:
+        listing = client.list_objects_v2(Bucket=BUCKET).get("Contents", [])
+        return {o["Key"]: o["ETag"] for o in listing}
+    return stored_sessions(client, BUCKET, f"s3://{BUCKET}/llava-endpoint", sids)
 
 
 def wait_for(condition: Any, what: str, timeout_s: float = 60) -> None:
@@ -151,11 +154,12 @@ def test_conversations_survive_a_killed_and_a_replaced_container(
             said: list[list[str]] = [[] for _ in sessions]
 
             def turn(n: int) -> None:
-                before = stored(s3_port)
+                ids = [s.id for s in sessions]
+                before = stored(s3_port, ids)
                 for mine, session in zip(said, sessions, strict=True):
                     mine.append(session.ask(PROMPTS[n], max_new_tokens=TOKENS).text)
                 wait_for(
-                    lambda: all(stored(s3_port).get(s.id) != before.get(s.id) for s in sessions),
+                    lambda: all(stored(s3_port, ids).get(i) != before.get(i) for i in ids),
                     f"turn {n} in the store",
                 )
 

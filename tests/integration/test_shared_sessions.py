@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ import httpx
 import pytest
 from conftest import start_server, two_node_front
 from engine_under_test import oracle
-from helpers import Reference, ask, data_uri, make_image, open_session
+from helpers import Reference, ask, data_uri, make_image, open_session, stored_sessions
 
 from llava.client import SessionClient
 from llava.fronts.local_runtime.server import LocalRuntime
@@ -80,11 +80,13 @@ def settings(s3_url: str) -> dict[str, str]:
     }
 
 
-def stored(s3_url: str) -> dict[str, str]:
-    """Session id -> ETag of every object in the store."""
+def stored(s3_url: str, sids: Iterable[str] | None = None) -> dict[str, str]:
+    """Session id -> ETag of each of `sids` in the store; with none, every object's key."""
     client = boto3.client("s3", endpoint_url=s3_url, **CREDENTIALS)
-    listing = client.list_objects_v2(Bucket=BUCKET).get("Contents", [])
-    return {Path(o["Key"]).stem: o["ETag"] for o in listing}
+    if sids is None:
+        listing = client.list_objects_v2(Bucket=BUCKET).get("Contents", [])
+        return {o["Key"]: o["ETag"] for o in listing}
+    return stored_sessions(client, BUCKET, settings(s3_url)["LLAVA_SESSION_STORE"], sids)
 
 
 def kill_instance(ts: TorchServe) -> None:
@@ -156,10 +158,11 @@ def test_conversations_survive_scale_in_an_update_and_a_lost_instance(
             servers.append(start_server(model_store, tmp_path_factory.mktemp("shared-new"), **env))
             runtime.replace(0, servers[-1].url())
             # A lost host: instance 1 is killed once its last answers are in the store.
-            before = stored(s3_url)
+            ids = [s.id for s in sessions]
+            before = stored(s3_url, ids)
             turn(2)
             wait_for(
-                lambda: all(stored(s3_url).get(s.id) != before.get(s.id) for s in sessions),
+                lambda: all(stored(s3_url, ids).get(i) != before.get(i) for i in ids),
                 "the last finished turns in the store",
             )
             kill_instance(start[1])
@@ -201,14 +204,14 @@ def test_ray_sessions_resume_on_the_rest_when_a_node_and_a_replica_go(
                 mine.append(answer["text"])
             return answers
 
-        wait_for(lambda: set(sids) <= set(stored(s3_url)), "the opens in the store")
+        wait_for(lambda: set(sids) <= set(stored(s3_url, sids)), "the opens in the store")
 
         def stored_turn(n: int) -> list[dict[str, Any]]:
             """Ask turn n, then wait until every session's new state is in the store."""
-            before = stored(s3_url)
+            before = stored(s3_url, sids)
             answers = turn(n)
             wait_for(
-                lambda: all(stored(s3_url).get(s) != before[s] for s in sids),
+                lambda: all(stored(s3_url, sids).get(s) != before[s] for s in sids),
                 f"turn {n} in the store",
             )
             return answers
