@@ -544,3 +544,41 @@ def test_on_a_cpu_a_seeded_prompt_longer_than_a_step_is_refused_not_fatal(built:
     assert len(run(engine, engine.start_turn(state, "word " * 100, unseeded)).generated) == 4
     again = run(engine, engine.start_turn(state, QUESTIONS[2], GenerationParams(max_new_tokens=4)))
     assert engine.requests.llm is core and again.generated and first.generated
+
+
+def test_a_worker_killed_while_its_engine_starts_leaves_no_vllm_process(built: Any) -> None:
+    """A worker SIGKILLed while vLLM's engine core is starting (TorchServe's startup timeout, a
+    replica killed mid-load): the core and its workers are killed with it, not left holding
+    their memory (on a GPU, the memory the next worker needs)."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    checkpoint = built("tiny-vllm")
+    script = (
+        "import sys, time\n"
+        "from llava.core.config import ServerConfig\n"
+        "from llava.engines.vllm.starting import start_engine\n"
+        "config = ServerConfig(engine='vllm', dtype='float32', enforce_eager=True,"
+        " max_context_tokens=1024)\n"
+        "start_engine(sys.argv[1], config)\n"
+        "time.sleep(600)\n"
+    )
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "LLAVA_KV_CACHE_GB": "0.25"}
+    worker = subprocess.Popen([sys.executable, "-c", script, str(checkpoint)], env=env)
+    try:
+        parent = psutil.Process(worker.pid)
+        deadline = time.monotonic() + 120
+        cores: list[psutil.Process] = []
+        while not cores:  # nothing tells when vLLM spawns its core: look for it
+            assert time.monotonic() < deadline and worker.poll() is None, "no core started"
+            cores = [c for c in parent.children(recursive=True) if c.name().startswith("VLLM::")]
+            time.sleep(0.05)
+        seen = [*cores, *cores[0].children(recursive=True)]
+        worker.kill()  # mid-start: the engine is not up yet
+        worker.wait()
+        _, alive = psutil.wait_procs(seen, timeout=60)
+        assert alive == [], [p.name() for p in alive]
+    finally:
+        worker.kill()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -93,9 +94,15 @@ def start_engine(model_dir: Path, config: ServerConfig) -> Any:
 
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")  # the worker's logging stays its own
     log.info("starting vLLM's engine on %s", model_dir)
-    llm = LLMEngine.from_engine_args(engine_args(model_dir, config))
+    reaper = start_reaper()  # first: a worker that dies while the core starts must not leave it
+    try:
+        llm = LLMEngine.from_engine_args(engine_args(model_dir, config))
+    except BaseException:
+        stop_reaper(reaper, signal.SIGTERM)  # what the failed start left running goes now
+        raise
+    stop_reaper(reaper, signal.SIGUSR1)  # the engine is up: its processes are all started
     watch_engine_core(llm)
-    llm.llava_reaper = start_reaper(llm)
+    llm.llava_reaper = reaper
     return llm
 
 
@@ -105,35 +112,31 @@ def core_processes(llm: Any) -> list[Any]:
     return list(getattr(manager, "processes", None) or [])
 
 
-def start_reaper(llm: Any) -> int | None:
-    """Start the process that kills this engine's core when the worker dies (`reaper.py`);
-    return the pipe end that keeps it waiting (closed: it reaps now), None when in-process."""
+def start_reaper() -> Any:
+    """Start the process that kills this engine's processes when the worker dies or lets the
+    engine go (`reaper.py`); None when the core runs in the worker's own process."""
     import subprocess
     import sys
 
-    import psutil
-
-    processes = core_processes(llm)
-    if not processes:
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
         return None
-    targets = [f"{p.pid}:{psutil.Process(p.pid).create_time()}" for p in processes]
-    read, write = os.pipe()
-    subprocess.Popen(
-        [sys.executable, "-m", "llava.engines.vllm.reaper", str(read), *targets],
-        pass_fds=(read,),
+    return subprocess.Popen(
+        [sys.executable, "-m", "llava.engines.vllm.reaper", str(os.getpid())],
         start_new_session=True,  # not in the worker's process group: it outlives a group kill
         stdin=subprocess.DEVNULL,
     )
-    os.close(read)
-    return write
+
+
+def stop_reaper(reaper: Any, signum: int) -> None:
+    """Tell a reaper the engine is up (SIGUSR1) or to kill its processes now (SIGTERM)."""
+    if reaper is not None and reaper.poll() is None:
+        reaper.send_signal(signum)
 
 
 def release_reaper(llm: Any) -> None:
     """Let an engine's reaper kill what is left of its core (the engine is being replaced)."""
-    write = getattr(llm, "llava_reaper", None)
-    if write is not None:
-        os.close(write)
-        llm.llava_reaper = None
+    stop_reaper(getattr(llm, "llava_reaper", None), signal.SIGTERM)
+    llm.llava_reaper = None
 
 
 def watch_engine_core(llm: Any) -> None:
@@ -169,7 +172,6 @@ def watch_steps(requests: Any, timeout_s: float) -> None:
     four times per timeout if shorter. A core in the worker's own process cannot be killed
     alone: a hang there is reported once and left to the front."""
     import contextlib
-    import signal
     import threading
     import time
 
