@@ -1067,7 +1067,7 @@ def test_the_session_store_gets_a_lifecycle_rule_beside_the_buckets_own() -> Non
     not set it is given the rule."""
     import boto3
 
-    from llava.tools.deploy.store_lifecycle import ensure_lifecycle
+    from llava.tools.deploy.store_lifecycle import check_apart, ensure_lifecycle
 
     s3 = boto3.client("s3", region_name=REGION)
     s3.create_bucket(Bucket="bucket")
@@ -1077,11 +1077,17 @@ def test_the_session_store_gets_a_lifecycle_rule_beside_the_buckets_own() -> Non
     said: list[str] = []
     for ttl in (1200, 3 * 86_400):  # deployed, then deployed again with a longer TTL
         rule = ensure_lifecycle(s3, "s3://bucket/sessions/llava", ttl, progress=said.append)
-    assert rule is not None and rule["Filter"] == {"Prefix": "sessions/llava/"}
+    assert rule is not None and rule["Filter"] == {"Prefix": "sessions/llava/llava/"}
     rules = s3.get_bucket_lifecycle_configuration(Bucket="bucket")["Rules"]
     assert [r["ID"] for r in rules] == ["logs", rule["ID"]]
     assert rules[1]["Expiration"] == {"Days": 4}
-    assert said[0].endswith("expire 2 days after their last write")
+    assert rules[1]["NoncurrentVersionExpiration"]["NoncurrentDays"] == 1  # versioned buckets
+    assert said[0].endswith("llava/llava/ expire 2 days after their last write")
+    # a store whose sessions' prefix holds the model's archive (or sits under it) is refused
+    check_apart("s3://bucket/sessions", ["s3://other/sessions/llava/model/"])
+    for model_data in ("s3://bucket/sessions/llava/20261128/", "s3://bucket/sessions/"):
+        with pytest.raises(dp.DeployError, match="overlap"):
+            check_apart("s3://bucket/sessions", [model_data])
     with pytest.raises(ValueError, match="whole bucket"):  # never a rule over a whole bucket
         ensure_lifecycle(s3, "s3://bucket", 1200)
 

@@ -14,32 +14,56 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from llava.tools.deploy.errors import DeployError
 from llava.tools.deploy.names import parse_s3_uri
 
 DAY_S = 86_400
 MARGIN_S = DAY_S  # past the longest TTL: an answer in flight, clocks, S3's own daily sweep
 
 
-def lifecycle_rule(store_uri: str, ttl_s: float) -> dict[str, Any]:
-    """The rule that expires the store's objects `ttl_s` plus a margin after their last write."""
+def lifecycle_rule(store_uri: str, ttl_s: float, model: str = "llava") -> dict[str, Any]:
+    """The rule that expires the model's session objects (`<prefix><model>/`, where the
+    instances write them) `ttl_s` plus a margin after their last write, and their older
+    versions on a versioned bucket."""
     _, prefix = parse_s3_uri(store_uri, require_prefix=True)
-    name = hashlib.sha256(prefix.encode()).hexdigest()[:12]
+    sessions = f"{prefix}{model}/"
+    name = hashlib.sha256(sessions.encode()).hexdigest()[:12]
     return {
         "ID": f"llava-sessions-{name}",
-        "Filter": {"Prefix": prefix},
+        "Filter": {"Prefix": sessions},
         "Status": "Enabled",
         "Expiration": {"Days": max(1, math.ceil((ttl_s + MARGIN_S) / DAY_S))},
+        "NoncurrentVersionExpiration": {"NoncurrentDays": 1},
         "AbortIncompleteMultipartUpload": {"DaysAfterInitiation": 1},
     }
 
 
+def check_apart(store_uri: str, other_uris: list[str], model: str = "llava") -> None:
+    """Refuse a store whose session objects' prefix holds other data (the model's archive):
+    the lifecycle rule would delete it."""
+    bucket, _ = parse_s3_uri(store_uri, require_prefix=True)
+    sessions = lifecycle_rule(store_uri, 0, model)["Filter"]["Prefix"]
+    for uri in other_uris:
+        other_bucket, other = parse_s3_uri(uri, require_prefix=False)
+        if other_bucket == bucket and (other.startswith(sessions) or sessions.startswith(other)):
+            raise DeployError(
+                f"the session store's objects (s3://{bucket}/{sessions}) and {uri} overlap: "
+                "the store's lifecycle rule would expire the other's objects; pick a "
+                "--session-store prefix of its own"
+            )
+
+
 def ensure_lifecycle(
-    s3: Any, store_uri: str, ttl_s: float, progress: Callable[[str], None] = print
+    s3: Any,
+    store_uri: str,
+    ttl_s: float,
+    progress: Callable[[str], None] = print,
+    model: str = "llava",
 ) -> dict[str, Any] | None:
     """Add (or update) the store's rule among the bucket's own; return it, or None where it
     could not be set (the caller is told the rule to set)."""
     bucket, _ = parse_s3_uri(store_uri, require_prefix=True)
-    rule = lifecycle_rule(store_uri, ttl_s)
+    rule = lifecycle_rule(store_uri, ttl_s, model)
     try:
         try:
             rules = s3.get_bucket_lifecycle_configuration(Bucket=bucket).get("Rules", [])
@@ -59,7 +83,8 @@ def ensure_lifecycle(
         )
         return None
     days = rule["Expiration"]["Days"]
-    progress(f"session objects under {store_uri} expire {days} days after their last write")
+    where = f"s3://{bucket}/{rule['Filter']['Prefix']}"
+    progress(f"session objects under {where} expire {days} days after their last write")
     return rule
 
 
