@@ -24,6 +24,7 @@ IDENTITY_FILES = frozenset(
     }
 )  # fmt: skip
 SAMPLE_BYTES = 64  # read at each tensor's start, middle and end
+MAX_HEADER = 100 << 20  # safetensors' own limit on a header
 BLOCKS = 64  # a pickled weight file (no index of its tensors): evenly spaced blocks of 4 KiB
 
 
@@ -51,13 +52,18 @@ def read_at(file: BinaryIO, offset: int, size: int) -> bytes:
 
 def _sample_safetensors(file: BinaryIO, total: int) -> list[tuple[int, int]]:
     """Its header whole, then three short reads in each tensor (by the header's offsets)."""
-    (length,) = struct.unpack("<Q", read_at(file, 0, 8))
+    head = read_at(file, 0, 8)
+    (length,) = struct.unpack("<Q", head) if len(head) == 8 else (total,)
+    if length > min(total - 8, MAX_HEADER):  # a Git LFS pointer, a truncated download
+        raise ValueError(f"{file.name} is not a whole safetensors file (its header says so)")
     header = json.loads(read_at(file, 8, length))
     spans = [(0, 8 + length)]
     for name in sorted(header):
         if name == "__metadata__":
             continue
         start, end = (8 + length + at for at in header[name]["data_offsets"])
+        if not 8 + length <= start <= end <= total:
+            raise ValueError(f"{file.name}: tensor {name} lies outside the file")
         for at in (start, (start + end) // 2, end - SAMPLE_BYTES):
             spans.append((max(start, at), min(SAMPLE_BYTES, end - start)))
     return spans

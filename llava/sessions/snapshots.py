@@ -90,8 +90,7 @@ class SnapshotDir:
 
     def _queue(self, sid: str, produce: Callable[[], bytes] | None) -> None:
         with self._cond:
-            self._pending.pop(sid, None)
-            self._pending[sid] = produce
+            self._pending[sid] = produce  # in its place: a busy session is never put off
             self._cond.notify_all()
 
     def size_of(self, sid: str) -> int:

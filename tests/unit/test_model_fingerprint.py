@@ -60,3 +60,17 @@ def test_large_weights_are_sampled_not_read(
     monkeypatch.setattr(checkpoint, "read_at", lambda f, at, n: read.append(n) or real(f, at, n))
     model_fingerprint(root)
     assert 0 < sum(read) < 4096, read
+
+
+def test_a_weight_file_that_is_not_whole_is_named_not_read(tmp_path: Path) -> None:
+    """A Git LFS pointer or a truncated download named *.safetensors: a clear error naming the
+    file (not a MemoryError from a header length of exabytes)."""
+    root = write_checkpoint(tmp_path / "lfs", weights())
+    (root / "model.safetensors").write_text("version https://git-lfs.github.com/spec/v1\n")
+    with pytest.raises(ValueError, match="model.safetensors is not a whole safetensors file"):
+        model_fingerprint(root)
+    cut = write_checkpoint(tmp_path / "cut", weights())
+    data = (cut / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(data[:-100])
+    with pytest.raises(ValueError, match="outside the file"):
+        model_fingerprint(cut)
