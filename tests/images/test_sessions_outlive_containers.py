@@ -62,15 +62,20 @@ def s3_port(moto_port: int) -> int:
     return moto_port
 
 
-def stored(s3_port: int, sids: Iterable[str] | None = None) -> dict[str, str]:
-    """Session id -> ETag of each of `sids` in the store; with none, every object's key."""
+# the model name each image's front serves under, which names its sessions' folder in the store
+MODEL_NAMES = {"torchserve": "model", "ray": "llava"}
+
+
+def stored(s3_port: int, sids: Iterable[str] | None = None, model: str = "") -> dict[str, str]:
+    """Session id -> ETag of each of `sids` (of `model`) in the store; with none, every
+    object's key."""
     client = boto3.client(
         "s3", endpoint_url=f"http://127.0.0.1:{s3_port}", region_name="us-east-1", **CREDENTIALS
     )
     if sids is None:
         listing = client.list_objects_v2(Bucket=BUCKET).get("Contents", [])
         return {o["Key"]: o["ETag"] for o in listing}
-    return stored_sessions(client, BUCKET, f"s3://{BUCKET}/llava-endpoint", sids)
+    return stored_sessions(client, BUCKET, f"s3://{BUCKET}/llava-endpoint", sids, model)
 
 
 def wait_for(condition: Any, what: str, timeout_s: float = 60) -> None:
@@ -155,11 +160,14 @@ def test_conversations_survive_a_killed_and_a_replaced_container(
 
             def turn(n: int) -> None:
                 ids = [s.id for s in sessions]
-                before = stored(s3_port, ids)
+                before = stored(s3_port, ids, MODEL_NAMES[front])
                 for mine, session in zip(said, sessions, strict=True):
                     mine.append(session.ask(PROMPTS[n], max_new_tokens=TOKENS).text)
                 wait_for(
-                    lambda: all(stored(s3_port, ids).get(i) != before.get(i) for i in ids),
+                    lambda: all(
+                        stored(s3_port, ids, MODEL_NAMES[front]).get(i) != before.get(i)
+                        for i in ids
+                    ),
                     f"turn {n} in the store",
                 )
 

@@ -14,7 +14,7 @@ from llava.tools.deploy.errors import DeployError, EndpointExistsError
 from llava.tools.deploy.names import validate_name
 from llava.tools.deploy.spec import GPU_AMI, DeploySpec
 from llava.tools.deploy.store_access import check_store_access
-from llava.tools.deploy.store_lifecycle import check_apart, ensure_lifecycle
+from llava.tools.deploy.store_lifecycle import FRONTS_MODEL, check_apart, ensure_lifecycle
 from llava.tools.deploy.teardown import DeleteReport, delete
 from llava.tools.deploy.upload import upload_archive
 
@@ -174,7 +174,7 @@ def run_deploy(args: Any) -> Deployment:
                 kms_key=args.session_store_kms_key or "",
                 region=region,
             )
-            check_apart(args.session_store, [s3_uri] if s3_uri else [])
+            check_apart(args.session_store, [s3_uri] if s3_uri else [], FRONTS_MODEL[args.front])
         existing = describe_or_none(sm.describe_endpoint, EndpointName=name)
         if existing is not None and not args.update:  # fail before a long build and upload
             raise EndpointExistsError(
@@ -182,7 +182,9 @@ def run_deploy(args: Any) -> Deployment:
                 f"(python -m llava delete --name {name}), pick another --name, or pass --update"
             )
         if args.session_store:  # past every check: a refused deploy changes no bucket
-            ensure_lifecycle(boto3.client("s3", region_name=region), args.session_store, args.ttl)
+            s3_store = boto3.client("s3", region_name=region)
+            model = FRONTS_MODEL[args.front]
+            ensure_lifecycle(s3_store, args.session_store, args.ttl, model=model)
         if s3_uri is not None:
             if args.archive:
                 upload_archive(args.archive, s3_uri, s3_client=s3)

@@ -17,6 +17,8 @@ from typing import Any
 from llava.tools.deploy.errors import DeployError
 from llava.tools.deploy.names import parse_s3_uri
 
+FRONTS_MODEL = {"torchserve": "model", "ray": "llava"}  # the name each image serves the model
+# under (docker/torchserve/serve registers `model`), which names its sessions' folder
 DAY_S = 86_400
 MARGIN_S = DAY_S  # past the longest TTL: an answer in flight, clocks, S3's own daily sweep
 
