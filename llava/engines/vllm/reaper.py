@@ -7,8 +7,9 @@ killed while its engine was starting. The worker starts this process before each
 the engine starts, it records every process the worker starts (vLLM's core and its workers,
 however far they got); SIGUSR1 (the engine is up) ends the recording. When the worker dies
 (however: this process is then no longer its child) or sends SIGTERM (it lets the engine go, or
-the start failed), it kills what it recorded that still runs, checked by start times, so a reused
-pid is never hit. No pipe: a forked engine core would hold its write end open.
+the start failed), it kills those it recorded that vLLM has named its own and that still run,
+checked by start times, so a reused pid is never hit. No pipe: a forked engine core would hold
+its write end open.
 
     python -m llava.engines.vllm.reaper WORKER_PID
 """
@@ -23,6 +24,8 @@ import threading
 import psutil
 
 LOOK_S = 0.1  # how often the worker's new processes (and the worker) are looked at
+VLLM = "VLLM::"  # how vLLM names its engine core and workers once they run
+SIGNALS = {signal.SIGUSR1, signal.SIGTERM}  # blocked by the worker until the handlers are set
 
 
 def reap(targets: dict[int, float]) -> list[int]:
@@ -34,6 +37,8 @@ def reap(targets: dict[int, float]) -> list[int]:
             process = psutil.Process(pid)
             if abs(process.create_time() - started) > 0.01:
                 continue  # that pid is another process now
+            if not process.name().startswith(VLLM):
+                continue  # not vLLM's: an image process replaced meanwhile, a tracker
             for child in process.children(recursive=True):
                 child.send_signal(signal.SIGKILL)
                 killed.append(child.pid)
@@ -75,6 +80,7 @@ def main(argv: list[str]) -> None:
     up, let_go = threading.Event(), threading.Event()
     signal.signal(signal.SIGUSR1, lambda *_: up.set())
     signal.signal(signal.SIGTERM, lambda *_: let_go.set())
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)  # those sent meanwhile arrive now
     reap(watch(worker, up, let_go))
 
 

@@ -120,11 +120,18 @@ def start_reaper() -> Any:
 
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
         return None
-    return subprocess.Popen(
-        [sys.executable, "-m", "llava.engines.vllm.reaper", str(os.getpid())],
-        start_new_session=True,  # not in the worker's process group: it outlives a group kill
-        stdin=subprocess.DEVNULL,
-    )
+    from llava.engines.vllm.reaper import SIGNALS
+
+    # blocked in the reaper until it has its handlers: their default would end it
+    unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-m", "llava.engines.vllm.reaper", str(os.getpid())],
+            start_new_session=True,  # not in the worker's process group: outlives a group kill
+            stdin=subprocess.DEVNULL,
+        )
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
 
 
 def stop_reaper(reaper: Any, signum: int) -> None:
