@@ -156,9 +156,15 @@ class ChatDesk(Generic[StateT, TurnT]):
             session, turn, request.stream, replies, transient=True, adopt=slot, key=key
         )
 
+    def _still_held(self, key: str) -> list[Session]:
+        """The sessions kept under this key that have not ended, oldest first (reads only: an
+        image thread asks too)."""
+        sessions = (self.store.peek(sid) for sid in list(self._held.get(key, ())))
+        return [s for s in sessions if s is not None]
+
     def _candidates(self, key: str) -> list[Session]:
         """The sessions still holding a conversation with this key, newest first."""
-        held = [s for sid in self._held.get(key, []) if (s := self.store.peek(sid)) is not None]
+        held = self._still_held(key)
         if held:
             self._held[key] = [s.id for s in held]
         else:
@@ -168,12 +174,9 @@ class ChatDesk(Generic[StateT, TurnT]):
     def _is_held(self, request: ChatCompletion) -> Callable[[str], bool]:
         """What tells the image threads that a session holds this image (skip preparing it)."""
 
-        def known(digest: str) -> bool:  # on an image thread: reads, never prunes
-            for sid in list(self._held.get(self._key(digest, request), ())):
-                session = self.store.peek(sid)
-                if session is not None and session.state is not None:
-                    return True
-            return False  # none, or every one has ended since: prepare them now, once
+        def known(digest: str) -> bool:  # none, or all ended since: prepare them now, once
+            held = self._still_held(self._key(digest, request))
+            return any(s.state is not None for s in held)
 
         return known
 
