@@ -10,6 +10,7 @@ import random
 import shutil
 import socket
 import tempfile
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -435,3 +436,12 @@ def stored_sessions(
     names = {location.key(object_name(key, sid)): sid for sid in sids}
     listing = client.list_objects_v2(Bucket=bucket).get("Contents", [])
     return {names[o["Key"]]: o["ETag"] for o in listing if o["Key"] in names}
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout_s: float) -> None:
+    """Poll what another process makes true (a store's writes land after the answers, a
+    server's health follows its workers): nothing notifies a test of it."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)

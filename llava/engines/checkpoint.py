@@ -37,10 +37,11 @@ def model_fingerprint(model_dir: Path) -> str:
         if path.name in IDENTITY_FILES:
             digest.update(f"{path.name};".encode() + path.read_bytes())
         elif path.suffix in (".safetensors", ".bin"):
-            digest.update(f"{path.name}:{path.stat().st_size};".encode())
+            total = path.stat().st_size
+            digest.update(f"{path.name}:{total};".encode())
             with path.open("rb") as file:
                 sample = _sample_safetensors if path.suffix == ".safetensors" else _sample_blocks
-                for offset, size in sample(file, path.stat().st_size):
+                for offset, size in sample(file, total):
                     digest.update(read_at(file, offset, size))
     return digest.hexdigest()[:32]
 

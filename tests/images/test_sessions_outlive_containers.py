@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import random
 import threading
-import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from typing import Any
 import boto3
 import pytest
 from containers import IMAGES, Container, docker
-from helpers import data_uri, stored_sessions
+from helpers import data_uri, stored_sessions, wait_for
 from oracles import pipeline_answers
 from relay import Relay, expose
 
@@ -78,12 +77,7 @@ def stored(s3_port: int, sids: Iterable[str] | None = None, model: str = "") -> 
     return stored_sessions(client, BUCKET, f"s3://{BUCKET}/llava-endpoint", sids, model)
 
 
-def wait_for(condition: Any, what: str, timeout_s: float = 60) -> None:
-    """Poll what another process makes true (the store's writes land after the answers)."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
+STORE_WAIT_S = 60  # how long the store may take to show what the containers wrote
 
 
 class Instance:
@@ -169,6 +163,7 @@ def test_conversations_survive_a_killed_and_a_replaced_container(
                         for i in ids
                     ),
                     f"turn {n} in the store",
+                    STORE_WAIT_S,
                 )
 
             turn(0)
@@ -204,7 +199,9 @@ def test_conversations_survive_a_killed_and_a_replaced_container(
             for spare in spares:  # one the kill took before its open was stored is gone
                 with contextlib.suppress(KitError):
                     spare.close()
-            wait_for(lambda: not stored(s3_port), "the closed sessions' objects to go")
+            wait_for(
+                lambda: not stored(s3_port), "the closed sessions' objects to go", STORE_WAIT_S
+            )
         assert said == pipeline_answers(engine, checkpoint, pictures, PROMPTS, TOKENS)
     finally:
         for instance in instances:

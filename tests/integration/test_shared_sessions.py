@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,15 @@ import httpx
 import pytest
 from conftest import start_server, two_node_front
 from engine_under_test import oracle
-from helpers import Reference, ask, data_uri, make_image, open_session, stored_sessions
+from helpers import (
+    Reference,
+    ask,
+    data_uri,
+    make_image,
+    open_session,
+    stored_sessions,
+    wait_for,
+)
 
 from llava.client import SessionClient
 from llava.fronts.local_runtime.server import LocalRuntime
@@ -112,12 +119,7 @@ def replicas_of(workdir: Path, pids: list[int]) -> list[int]:
     return mine
 
 
-def wait_for(condition: Any, what: str, timeout_s: float = 30) -> None:
-    """Poll a condition another process makes true (the store's writes land after answers)."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
+STORE_WAIT_S = 30  # how long the store may take to show what the instances wrote
 
 
 def test_conversations_survive_scale_in_an_update_and_a_lost_instance(
@@ -164,6 +166,7 @@ def test_conversations_survive_scale_in_an_update_and_a_lost_instance(
             wait_for(
                 lambda: all(stored(s3_url, ids).get(i) != before.get(i) for i in ids),
                 "the last finished turns in the store",
+                STORE_WAIT_S,
             )
             kill_instance(start[1])
             turn(3)  # every conversation goes on, on the new instance
@@ -175,7 +178,7 @@ def test_conversations_survive_scale_in_an_update_and_a_lost_instance(
             assert resumed.id == sessions[1].id
             for s in sessions:
                 s.close()
-            wait_for(lambda: not stored(s3_url), "the closed sessions' objects to go")
+            wait_for(lambda: not stored(s3_url), "the closed sessions' objects to go", STORE_WAIT_S)
     finally:
         for ts in servers:
             ts.stop()
@@ -204,7 +207,9 @@ def test_ray_sessions_resume_on_the_rest_when_a_node_and_a_replica_go(
                 mine.append(answer["text"])
             return answers
 
-        wait_for(lambda: set(sids) <= set(stored(s3_url, sids)), "the opens in the store")
+        wait_for(
+            lambda: set(sids) <= set(stored(s3_url, sids)), "the opens in the store", STORE_WAIT_S
+        )
 
         def stored_turn(n: int) -> list[dict[str, Any]]:
             """Ask turn n, then wait until every session's new state is in the store."""
@@ -213,6 +218,7 @@ def test_ray_sessions_resume_on_the_rest_when_a_node_and_a_replica_go(
             wait_for(
                 lambda: all(stored(s3_url, sids).get(s) != before[s] for s in sids),
                 f"turn {n} in the store",
+                STORE_WAIT_S,
             )
             return answers
 

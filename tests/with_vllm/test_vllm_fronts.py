@@ -14,7 +14,6 @@ import os
 import random
 import signal
 import threading
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ pytest.importorskip("vllm", reason="vLLM runs in its own environment: make test-
 import httpx  # noqa: E402
 import psutil  # noqa: E402
 from conftest import KIT_ENV, Oracle, expected_text, until_engine_back  # noqa: E402
-from helpers import ask, data_uri, open_session, post  # noqa: E402
+from helpers import ask, data_uri, open_session, post, wait_for  # noqa: E402
 
 from llava.api.headers import SESSION_HEADER  # noqa: E402
 from llava.fronts.torchserve.launcher import TorchServe  # noqa: E402
@@ -291,26 +290,16 @@ def test_an_engine_that_cannot_start_again_fails_ping_and_costs_no_finished_turn
         killer = CoreKiller(server)
         try:
             done = fault_mid_stream_and_mid_open(client, url, chats, 7000 + chats, killer.start)
-            assert until(lambda: ping(server) != 200, 180), "/ping stayed healthy"
+            wait_for(lambda: ping(server) != 200, "/ping to fail", 180)
             assert ping(server) != 200  # still failing while no core can start
         finally:
             killer.stop()
         assert killer.killed >= 2, "the engine's tries to start again were not seen"
-        assert until(lambda: ping(server) == 200, 300), server.log_tail(60)
+        wait_for(lambda: ping(server) == 200, "/ping to be healthy again", 300)
         body = {"type": "query", "prompt": QUESTIONS[1], "max_new_tokens": TOKENS}
         first = until_engine_back(client, url, done.sids[0], body)
         assert first.status_code == 200, first.text
         done.check(client, url, oracle, first)
-
-
-def until(condition: Callable[[], bool], timeout_s: float) -> bool:
-    """Poll `condition` (a server's state, which nothing notifies) until true or timeout."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.2)
-    return True
 
 
 class Streaming:
