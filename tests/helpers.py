@@ -428,14 +428,37 @@ def stored_sessions(
 ) -> dict[str, str]:
     """Session id -> ETag of each of `sids` with an object in a shared store (objects are
     named by a MAC of the id, so a listing alone says whose they are to no one)."""
+    _, names = _store_names(store_uri, sids, model)
+    listing = client.list_objects_v2(Bucket=bucket).get("Contents", [])
+    return {names[o["Key"]]: o["ETag"] for o in listing if o["Key"] in names}
+
+
+def only_tombstones(
+    client: Any, bucket: str, store_uri: str, sids: Iterable[str], model: str = "llava"
+) -> bool:
+    """Whether every object in a shared store's bucket is the tombstone of one of `sids`: a
+    closed session leaves one (no stale write can bring it back), and nothing else stays."""
+    from llava.sessions.sealed import unseal
+
+    key, names = _store_names(store_uri, sids, model)
+    for item in client.list_objects_v2(Bucket=bucket).get("Contents", []):
+        sid = names.get(item["Key"])
+        if sid is None:
+            return False
+        data = client.get_object(Bucket=bucket, Key=item["Key"])["Body"].read()
+        if not unseal(key, sid, data).closed:
+            return False
+    return True
+
+
+def _store_names(store_uri: str, sids: Iterable[str], model: str) -> tuple[bytes, dict[str, str]]:
+    """A store's sealing key (no secret), and its object keys -> the session ids they name."""
     from llava.sessions.objects import StoreLocation
     from llava.sessions.sealed import object_name, store_key
 
     location = StoreLocation.parse(store_uri).under(model)
     key = store_key(location.uri)
-    names = {location.key(object_name(key, sid)): sid for sid in sids}
-    listing = client.list_objects_v2(Bucket=bucket).get("Contents", [])
-    return {names[o["Key"]]: o["ETag"] for o in listing if o["Key"] in names}
+    return key, {location.key(object_name(key, sid)): sid for sid in sids}
 
 
 def wait_for(condition: Callable[[], bool], what: str, timeout_s: float) -> None:

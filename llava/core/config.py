@@ -112,6 +112,10 @@ class ServerConfig:
     session_store_kms_key: str = ""
     session_store_secret: str = dataclasses.field(default="", repr=False)  # never logged
     session_store_max_pending: int = 256  # sessions whose write may wait; past it the oldest go
+    # Before each turn of a held session, one HEAD to the store: another instance answered it
+    # since? (then this copy is dropped and the newer one resumed). Off saves that round trip
+    # per turn; a stale copy may then answer once before its write is refused.
+    session_store_verify_turns: bool = True
     # On SIGTERM (scale-in, a deployment update): refuse new sessions, let answers in flight
     # finish for at most this long, then write every session's latest state to the store.
     drain_grace_s: float = 30.0

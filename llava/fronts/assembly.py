@@ -111,6 +111,7 @@ def open_shared_store(config: ServerConfig, name: str) -> Any:
         objects,
         location,
         secret=config.session_store_secret,
+        verify_turns=config.session_store_verify_turns,
         max_pending=config.session_store_max_pending,
     )
 

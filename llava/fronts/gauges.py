@@ -106,6 +106,7 @@ class Gauges:
             Reading("LlavaStoreWrites", int(stats["writes"]), "count", ("Outcome", "written")),
             Reading("LlavaStoreWrites", int(stats["failures"]), "count", ("Outcome", "failed")),
             Reading("LlavaStoreWrites", int(stats["dropped"]), "count", ("Outcome", "dropped")),
+            Reading("LlavaStoreWrites", int(stats["fenced"]), "count", ("Outcome", "fenced")),
             Reading("LlavaStorePending", int(stats["pending"]), "count", store),
             Reading("LlavaStoreLagMs", int(stats["lag_s"] * 1000), "ms", store),
             Reading("LlavaStoreResumes", int(stats["resumes"]), "count", store),

@@ -18,6 +18,8 @@ from llava.sessions.store import SessionStore
 
 log = logging.getLogger(__name__)
 
+GENERATION = "generation"  # in a session's info: how many states of it were kept (fencing)
+
 
 class Keeper:
     """Queue a snapshot of a session at its last finished turn for every place that keeps one."""
@@ -43,7 +45,9 @@ class Keeper:
         if not self.enabled or session.closing:
             return
         try:
-            extra = {"info": session.info, "expires_at": self.store.expires_at(session)}
+            generation = int(session.info.get(GENERATION, 0)) + 1
+            session.info[GENERATION] = generation  # restored with the state, wherever it is
+            extra = {"info": dict(session.info), "expires_at": self.store.expires_at(session)}
             produce = self.engine.snapshot(session.state, extra)
             if produce is None:
                 return
@@ -51,7 +55,7 @@ class Keeper:
             if self.snapshots is not None:
                 self.snapshots.save(session.id, produce)
             if self.shared is not None:
-                self.shared.save(session.id, produce)
+                self.shared.save(session.id, produce, generation)
         except Exception:  # a missing snapshot costs a restart's recovery, never this answer
             log.exception("could not snapshot session %s", session.id)
 

@@ -8,6 +8,12 @@ under its own id with the idle time it had left, and the request is admitted as 
 had always been here. Its answer reports `usage.session_tier: "store"`. A session that was
 closed or expired here is not looked up: it ended for its user.
 
+With the store's `verify_turns` (the default), a request that reads or changes a session held
+here first asks the store, on a reader thread, whether another instance answered it since
+(`SharedStore.check`): if so, this copy is stale; it is dropped and the session resumes from
+the store's newer state, so no answer comes from a stale copy. A store that cannot be reached
+then costs nothing: the held copy answers (its write is still fenced).
+
 A client whose routing lost the instance can also ask for it: `open_session` with `"resume":
 "<id>"` answers like an open, with SageMaker's new-session header, so the router pins the id
 to this instance.
@@ -27,6 +33,7 @@ from llava.api.replies import Reply, json_reply
 from llava.api.session_api import CloseSession, OpenSession
 from llava.core.errors import (
     Draining,
+    SessionClosed,
     SessionExpired,
     SessionLost,
     SessionNotFound,
@@ -34,8 +41,9 @@ from llava.core.errors import (
 )
 from llava.server.contract import Engine, StateT, TurnT
 from llava.server.draining import session_of
-from llava.sessions.session import CLOSED, EXPIRED, Session
-from llava.sessions.shared import NotStored, SharedStore
+from llava.sessions.fenced import ClosedInStore, NotStored
+from llava.sessions.session import CLOSED, EVICTED, EXPIRED, Session
+from llava.sessions.shared import SharedStore
 from llava.sessions.snapshots import CorruptSnapshot
 from llava.sessions.store import SessionStore
 
@@ -54,6 +62,7 @@ class Resuming:
     explicit: bool = False  # an `open_session` with `resume`: answered like an open
     close: bool = False  # a `close_session`: the stored state is deleted, never restored
     refuse: bool = False  # refused (the instance is stopping) once its latest state is stored
+    check: bool = False  # held here: `data` tells whether this copy is still the newest
 
 
 class SessionResumer(Generic[StateT, TurnT]):
@@ -79,32 +88,70 @@ class SessionResumer(Generic[StateT, TurnT]):
             return False
         return self.store.ended(sid) not in (CLOSED, EXPIRED)
 
-    def admit(self, request: Any, item: Any, stopping: bool) -> Resuming | None:
+    def admit(
+        self, request: Any, item: Any, stopping: bool, checked: bool = False
+    ) -> Resuming | None:
         """Return the work of a request that must wait on the store, or None.
 
         A stopping instance refuses a held session's request (its router then sends it to
         another instance, which resumes it from the store) only once that session's latest
-        state is stored: else the other instance would resume it a turn behind."""
+        state is stored: else the other instance would resume it a turn behind. A request
+        for a held session is first checked against the store (unless `checked` already)."""
         sid = session_of(request)
         if stopping:
             if sid is not None and sid in self.store and self.shared.pending(sid):
                 return Resuming(sid, self.shared.settled(sid), item, refuse=True)
             return None
+        if sid is not None and not checked and self._verified(request, sid):
+            return Resuming(sid, self.shared.check(sid), item, check=True)
+        if sid is not None and self.shared.fenced.take_moved(sid):  # unchecked, known stale
+            self._drop(sid)
         if not self.wanted(sid):
             return None
         assert sid is not None
         explicit = isinstance(request, OpenSession)
         return self.begin(sid, item, explicit=explicit, close=isinstance(request, CloseSession))
 
+    def _verified(self, request: Any, sid: str) -> bool:
+        """Whether a request must check its held session against the store first: one that
+        reads or changes it (not a close, which always wins; not an explicit resume)."""
+        if not self.shared.verify_turns or isinstance(request, (CloseSession, OpenSession)):
+            return False
+        return self.store.peek(sid) is not None
+
     def arrived(self, work: Resuming, opener: Any) -> Reply | None:
         """Answer a request whose session's state was read, or return None to admit it now
-        (its session is here)."""
+        (its session is here, or, when checked and stale, to resume it from the store)."""
         if work.refuse:
             raise Draining("this instance is shutting down; send the request again")
+        if work.check:
+            self._drop_if_stale(work)
+            return None
         session = self.finish(work)
         if session is None:  # a close: deleted from the store
             return closed_reply(work.sid)
         return opener.opened_reply(session) if work.explicit else None
+
+    def _drop_if_stale(self, work: Resuming) -> None:
+        """Drop this instance's copy of a session another instance answered since: the
+        request resumes it from the store. A store that cannot be read keeps the copy."""
+        try:
+            current = work.data.result()
+        except Exception as exc:
+            log.warning(
+                "session %s: cannot check the shared store (%s); answering here", work.sid, exc
+            )
+            return
+        if not current:
+            self._drop(work.sid)
+
+    def _drop(self, sid: str) -> None:
+        """Drop a stale copy: the store keeps its object, so the request resumes from it."""
+        session = self.store.peek(sid)
+        if session is None or session.busy:
+            return  # gone, or answering (its request gets the usual 409)
+        log.info("session %s was answered on another instance since: resuming its newer state", sid)
+        self.store.end(session, EVICTED)
 
     def begin(
         self, sid: str, item: Any, *, explicit: bool = False, close: bool = False
@@ -126,6 +173,9 @@ class SessionResumer(Generic[StateT, TurnT]):
             data = work.data.result()
         except NotStored:
             raise self._not_stored(work.sid) from None
+        except ClosedInStore:
+            self.store.load_tombstones([work.sid], CLOSED)
+            raise SessionClosed(f"session {work.sid} was closed; open a new one") from None
         except CorruptSnapshot as exc:
             log.warning("session %s cannot be resumed from the store: %s", work.sid, exc)
             raise SessionLost(

@@ -145,7 +145,8 @@ class SessionService(Generic[StateT, TurnT]):
         except Exception as exc:
             return error_reply(internal_error(exc))
 
-    def _admit(self, item: Incoming) -> Reply | None:
+    def _admit(self, item: Incoming, checked: bool = False) -> Reply | None:
+        """Start a request; `checked`: its held session was checked against the store."""
         request = parse_request(item.body, item.headers, self.limits)
         if isinstance(request, ListModels):
             return json_reply(models_body(self.model_name, self.started))
@@ -154,7 +155,9 @@ class SessionService(Generic[StateT, TurnT]):
             if waiting is not None:
                 return self._put(item.request_id, waiting)
         refuse_if_draining(request, self.draining, self.stopping)
-        if self.resumer is not None and (waiting := self.resumer.admit(request, item, False)):
+        if self.resumer is not None and (
+            waiting := self.resumer.admit(request, item, False, checked)
+        ):
             return self._put(item.request_id, waiting)
         if isinstance(request, OpenSession) and request.resume is not None:  # held here
             return self.opener.opened_reply(self.store.get(request.resume))
@@ -189,7 +192,9 @@ class SessionService(Generic[StateT, TurnT]):
         assert self.resumer is not None
         resumer, opener = self.resumer, self.opener
         reply = self._guard(lambda _: resumer.arrived(work, opener), None)
-        return reply if reply is not None else self._guard(self._admit, work.item)
+        if reply is not None:
+            return reply
+        return self._guard(lambda item: self._admit(item, checked=work.check), work.item)
 
     def _rollback(self, request: Rollback) -> Reply:
         """Undo a session's last question and answer (a regenerate then reuses its cache)."""

@@ -1,7 +1,9 @@
 """Where a shared session store keeps its objects: S3 or any S3-compatible API, by boto3.
 
 One small interface (`ObjectStore`) between the store's queue and the bytes' home, so the queue
-is tested against a real S3 API server and nothing in it knows boto3's shapes.
+is tested against a real S3 API server and nothing in it knows boto3's shapes. Every write is
+conditional (S3's `If-Match` / `If-None-Match: *` on PutObject, `If-Match` on DeleteObject),
+which is what fences a stale holder out (`shared.py`).
 """
 
 from __future__ import annotations
@@ -13,11 +15,16 @@ from typing import Any, Protocol
 _URI = re.compile(r"s3://([a-z0-9][a-z0-9.-]{1,61}[a-z0-9])(?:/(.*))?")
 
 
-class ObjectStore(Protocol):
-    """Put, get, look up and delete whole objects by key."""
+class Refused(Exception):
+    """A conditional write or delete was refused: the object is not the one it named."""
 
-    def put(self, key: str, data: bytes) -> str:
-        """Write an object; return its ETag."""
+
+class ObjectStore(Protocol):
+    """Put, get, look up and delete whole objects by key; writes conditional on ETags."""
+
+    def put(self, key: str, data: bytes, *, if_match: str | None) -> str:
+        """Write an object only if it is still `if_match` (an ETag), or, if None, only if
+        there is none; return its ETag, or raise `Refused`."""
         ...
 
     def get(self, key: str, max_bytes: int) -> tuple[bytes, str] | None:
@@ -29,8 +36,9 @@ class ObjectStore(Protocol):
         """Return an object's ETag, None if there is none."""
         ...
 
-    def delete(self, key: str) -> None:
-        """Delete an object (no error if there is none)."""
+    def delete(self, key: str, *, if_match: str) -> None:
+        """Delete an object only if it is still `if_match` (no error if there is none);
+        raise `Refused` if it changed."""
         ...
 
 
@@ -88,17 +96,22 @@ class S3Objects:
         client = boto3.client("s3", endpoint_url=endpoint_url or None, config=config)
         return cls(client, bucket, kms_key_id)
 
-    def put(self, key: str, data: bytes) -> str:
-        extra: dict[str, str] = {}
+    def put(self, key: str, data: bytes, *, if_match: str | None) -> str:
+        extra: dict[str, str] = {"IfMatch": if_match} if if_match else {"IfNoneMatch": "*"}
         if self.kms_key_id:
-            extra = {"ServerSideEncryption": "aws:kms", "SSEKMSKeyId": self.kms_key_id}
-        out = self.client.put_object(
-            Bucket=self.bucket,
-            Key=key,
-            Body=data,
-            ContentType="application/octet-stream",
-            **extra,
-        )
+            extra.update(ServerSideEncryption="aws:kms", SSEKMSKeyId=self.kms_key_id)
+        try:
+            out = self.client.put_object(
+                Bucket=self.bucket,
+                Key=key,
+                Body=data,
+                ContentType="application/octet-stream",
+                **extra,
+            )
+        except Exception as exc:
+            if _refused(exc) or (if_match and _missing(exc)):
+                raise Refused(f"{key} is not the object this write expected") from None
+            raise
         return str(out.get("ETag", ""))
 
     def get(self, key: str, max_bytes: int) -> tuple[bytes, str] | None:
@@ -128,13 +141,29 @@ class S3Objects:
             raise
         return str(out.get("ETag", ""))
 
-    def delete(self, key: str) -> None:
-        self.client.delete_object(Bucket=self.bucket, Key=key)
+    def delete(self, key: str, *, if_match: str) -> None:
+        try:
+            self.client.delete_object(Bucket=self.bucket, Key=key, IfMatch=if_match)
+        except Exception as exc:
+            if _refused(exc):
+                raise Refused(f"{key} is not the object this deletion expected") from None
+            if not _missing(exc):
+                raise
+
+
+def _code(exc: Exception) -> str:
+    """The error code of a botocore error ("" for any other)."""
+    response = getattr(exc, "response", None)
+    error = response.get("Error") if isinstance(response, dict) else None
+    return str(error.get("Code", "")) if isinstance(error, dict) else ""
 
 
 def _missing(exc: Exception) -> bool:
     """Whether a botocore error says the object is not there."""
-    response = getattr(exc, "response", None)
-    error = response.get("Error") if isinstance(response, dict) else None
-    code = str(error.get("Code", "")) if isinstance(error, dict) else ""
-    return code in ("NoSuchKey", "404", "NotFound")
+    return _code(exc) in ("NoSuchKey", "404", "NotFound")
+
+
+def _refused(exc: Exception) -> bool:
+    """Whether a botocore error says a condition failed (412), or a concurrent conditional
+    write won (409, which S3 asks to retry: the retry reads the winner)."""
+    return _code(exc) in ("PreconditionFailed", "412", "ConditionalRequestConflict", "409")

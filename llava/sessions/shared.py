@@ -13,10 +13,13 @@ snapshots still cover a restart.
 Reading happens on reader threads (`fetch` returns a future): a request for a session this
 instance does not hold waits for it like an image, never stalling other streams.
 
-Deletion follows the session's end: a close deletes the object; an expiry or a loss deletes it
-only if it is still the one this instance wrote or resumed from (another instance may have
-resumed the session and written since); an eviction keeps it, so the session resumes from the
-store on its next request instead of being lost.
+Every write is fenced (`fenced.py`): conditional on the object this instance wrote or read
+last, so a stale holder never overwrites a newer copy; it learns its copy moved and drops it.
+Deletion follows the session's end: a close leaves a sealed tombstone that no stale write can
+undo; an expiry or a loss deletes the object only if it is still the one this instance wrote or
+resumed from; an eviction keeps it, so the session resumes from the store on its next request
+instead of being lost. With `verify_turns`, each turn of a held session first checks (one HEAD,
+on a reader thread) that no other instance answered it since (`check`).
 """
 
 from __future__ import annotations
@@ -30,30 +33,27 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from llava.core.errors import StoreUnavailable
+from llava.sessions.fenced import FencedObjects
 from llava.sessions.objects import ObjectStore, StoreLocation
-from llava.sessions.sealed import object_name, seal, store_key, unseal
+from llava.sessions.sealed import Sealed, store_key
 from llava.sessions.session import CLOSED, EVICTED
 
 log = logging.getLogger(__name__)
 
-MAX_OBJECT_BYTES = 1 << 30  # a 7B session's snapshot is ~5 MB; refuse anything absurd
 ATTEMPTS = 4  # tries of one write before it is given up (counted as a failure)
 MAX_READS = 64  # reads waiting or running at once; past it a resume is refused (503)
 SETTLE_S = 30.0  # how long a read waits for this instance's own pending write of the session
-WRITTEN_MEMORY = 65_536  # sessions whose last object's ETag is remembered (conditional deletes)
-
-
-class NotStored(LookupError):
-    """The store holds no state for this session."""
 
 
 @dataclass
 class _Write:
-    """One pending operation on a session's object: a put (with its producer) or a delete."""
+    """One pending operation on a session's object: a put (with its producer), a close
+    (a tombstone) or a delete."""
 
-    produce: Callable[[], bytes] | None  # None: delete
+    produce: Callable[[], bytes] | None  # None: a close, or a delete
     queued_at: float
-    only_if_ours: bool = False
+    generation: int = 0  # the state's (its session's count of kept states)
+    closed: bool = False  # a tombstone
     attempts: int = 0
 
 
@@ -75,8 +75,9 @@ class SharedStore:
     """Write sessions' snapshots to an object store off the step thread; read them back.
 
     store = SharedStore(S3Objects.connect("bucket"), StoreLocation.parse("s3://bucket/p"))
-    store.save(sid, producer)        # queued; the writer uploads the latest one
-    data = store.fetch(sid).result() # on a reader thread; NotStored / CorruptSnapshot
+    store.save(sid, producer, 7)     # queued; the writer uploads the latest one (generation 7)
+    data = store.fetch(sid).result() # on a reader thread; NotStored / ClosedInStore / Corrupt...
+    store.check(sid).result()        # False: another instance answered it since
     store.remove(sid, "closed")
     store.flush(30)                  # before the instance goes away
     """
@@ -87,24 +88,30 @@ class SharedStore:
         location: StoreLocation,
         *,
         secret: str = "",
+        verify_turns: bool = True,
         max_pending: int = 256,
         readers: int = 4,
         retry_s: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.objects = objects
         self.location = location
+        self.verify_turns = verify_turns
         self.max_pending = max_pending
         self.retry_s = retry_s
-        self._key = store_key(location.uri, secret)
+        self.fenced = FencedObjects(objects, location, store_key(location.uri, secret))
         self._clock = clock
         self._pending: OrderedDict[str, _Write] = OrderedDict()  # oldest first
         self._busy: tuple[str, _Write] | None = None  # the write in progress
-        # session id -> ETag of the object this instance wrote last (oldest first, bounded)
-        self._ours: OrderedDict[str, str] = OrderedDict()
         self._dirty: set[str] = set()  # sessions whose latest state was never stored (gave up)
         self._reads = 0
-        self._counts = {"writes": 0, "deletes": 0, "failures": 0, "dropped": 0, "resumes": 0}
+        self._counts = {
+            "writes": 0,
+            "closes": 0,
+            "deletes": 0,
+            "failures": 0,
+            "dropped": 0,
+            "resumes": 0,
+        }
         self._bytes: dict[str, int] = {}
         self._cond = threading.Condition()
         self._closed = False
@@ -116,12 +123,13 @@ class SharedStore:
 
     def object_key(self, sid: str) -> str:
         """The key of `sid`'s object (named by `sealed.object_name`)."""
-        return self.location.key(object_name(self._key, sid))
+        return self.fenced.object_key(sid)
 
     # -- the step thread's side: never blocks on the network -------------------------------
-    def save(self, sid: str, produce: Callable[[], bytes]) -> None:
-        """Queue the latest snapshot of `sid` (replacing one not yet written)."""
-        self._queue(sid, _Write(produce, self._clock()))
+    def save(self, sid: str, produce: Callable[[], bytes], generation: int) -> None:
+        """Queue the latest snapshot of `sid`, its `generation`-th kept state (replacing one
+        not yet written)."""
+        self._queue(sid, _Write(produce, self._clock(), generation))
 
     def remove(self, sid: str, reason: str) -> None:
         """Queue the deletion of `sid`'s object for a session that ended for `reason`."""
@@ -129,7 +137,7 @@ class SharedStore:
             with self._cond:
                 self._bytes.pop(sid, None)  # no longer held here
             return
-        self._queue(sid, _Write(None, self._clock(), only_if_ours=reason != CLOSED))
+        self._queue(sid, _Write(None, self._clock(), closed=reason == CLOSED))
 
     def pending(self, sid: str) -> bool:
         """Tell whether a write or deletion of `sid` is queued or in progress."""
@@ -160,6 +168,7 @@ class SharedStore:
             lag = self._clock() - min(oldest) if oldest else 0.0
             return {
                 **self._counts,
+                **self.fenced.counts,
                 "pending": len(self._pending) + (self._busy is not None),
                 "lag_s": round(lag, 3),
                 "objects": len(self._bytes),  # sessions whose latest state this instance wrote
@@ -168,7 +177,8 @@ class SharedStore:
 
     # -- readers ---------------------------------------------------------------------------
     def fetch(self, sid: str) -> Future[bytes]:
-        """Read `sid`'s snapshot on a reader thread: NotStored, CorruptSnapshot or the bytes.
+        """Read `sid`'s snapshot on a reader thread: the bytes, or NotStored, ClosedInStore,
+        CorruptSnapshot (damaged, or older than the copy this instance held).
         Refuses (StoreUnavailable) while MAX_READS reads wait already: a flood of unknown ids
         must not hold up real resumes behind it."""
         with self._cond:
@@ -178,6 +188,15 @@ class SharedStore:
                 )
             self._reads += 1
         return self._readers.submit(self._read, sid)
+
+    def check(self, sid: str) -> Future[bool]:
+        """Tell on a reader thread whether this instance's copy of `sid` is still the newest
+        (once its own pending write is done); False: drop it and resume from the store."""
+        return self._readers.submit(self._current, sid)
+
+    def _current(self, sid: str) -> bool:
+        self._settle(sid)
+        return self.fenced.current(sid)
 
     def _settle(self, sid: str) -> None:
         deadline = time.monotonic() + SETTLE_S
@@ -196,22 +215,10 @@ class SharedStore:
                 self._reads -= 1
 
     def _get(self, sid: str) -> bytes:
-        stored = self.objects.get(self.object_key(sid), MAX_OBJECT_BYTES)
-        if stored is None:
-            raise NotStored(sid)
-        data, etag = stored
-        payload = unseal(self._key, sid, data)
+        payload = self.fenced.read(sid).payload  # held from now: its next write is fenced
         with self._cond:
             self._counts["resumes"] += 1
-            self._own(sid, etag)  # resumed here: its expiry here deletes it, if still this one
         return payload
-
-    def _own(self, sid: str, etag: str) -> None:
-        """Remember `sid`'s object as the one this instance holds (for conditional deletes)."""
-        self._ours.pop(sid, None)
-        self._ours[sid] = etag
-        while len(self._ours) > WRITTEN_MEMORY:
-            self._ours.popitem(last=False)
 
     def holds(self, sid: str) -> bool:
         """Tell whether the store has an object for `sid` (blocking: start-up only); False if
@@ -219,14 +226,15 @@ class SharedStore:
         if self._unreachable:  # one failed look-up is enough: start-up must not crawl
             return False
         try:
-            return self.objects.etag(self.object_key(sid)) is not None
+            return self.fenced.objects.etag(self.object_key(sid)) is not None
         except Exception as exc:
             log.warning("shared session store unreachable (%s): using local snapshots", exc)
             self._unreachable = True
             return False
 
     def forget(self, sid: str) -> None:
-        """Queue the deletion of a stored session that can no longer be used (expired)."""
+        """Queue the deletion of a stored session that can no longer be used (expired), if
+        its object is still the one read."""
         self._queue(sid, _Write(None, self._clock()))
 
     # -- shutting down ---------------------------------------------------------------------
@@ -289,28 +297,28 @@ class SharedStore:
                     self._cond.notify_all()
 
     def _apply(self, sid: str, write: _Write) -> None:
-        key = self.object_key(sid)
-        if write.produce is not None:
-            data = seal(self._key, sid, write.produce())
-            etag = self.objects.put(key, data)
+        if write.produce is None and not write.closed:
             with self._cond:
-                self._own(sid, etag)
-                self._bytes[sid] = len(data)
+                self._bytes.pop(sid, None)
                 self._dirty.discard(sid)
-                self._counts["writes"] += 1
+            if self.fenced.delete(sid):
+                with self._cond:
+                    self._counts["deletes"] += 1
             return
+        if write.closed:
+            sealed = Sealed(self.fenced.generation(sid) + 1, b"", closed=True)
+        else:
+            assert write.produce is not None
+            sealed = Sealed(write.generation, write.produce())
+        size = self.fenced.write(sid, sealed)
         with self._cond:
-            ours = self._ours.get(sid)
-            self._bytes.pop(sid, None)
             self._dirty.discard(sid)
-        if write.only_if_ours and (ours is None or self.objects.etag(key) != ours):
-            with self._cond:
-                self._ours.pop(sid, None)
-            return  # another instance resumed it and wrote since (or we never wrote it)
-        self.objects.delete(key)
-        with self._cond:
-            self._ours.pop(sid, None)
-            self._counts["deletes"] += 1
+            if size is None or write.closed:  # stale here, or closed: not held here any more
+                self._bytes.pop(sid, None)
+            else:
+                self._bytes[sid] = size
+            if size is not None:
+                self._counts["closes" if write.closed else "writes"] += 1
 
     def _failed(self, sid: str, write: _Write, exc: Exception) -> None:
         write.attempts += 1

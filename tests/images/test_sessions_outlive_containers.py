@@ -22,7 +22,7 @@ from typing import Any
 import boto3
 import pytest
 from containers import IMAGES, Container, docker
-from helpers import data_uri, stored_sessions, wait_for
+from helpers import data_uri, only_tombstones, stored_sessions, wait_for
 from oracles import pipeline_answers
 from relay import Relay, expose
 
@@ -35,6 +35,7 @@ from llava.tools.tiny import build_checkpoint
 from llava.tools.tiny.scenes import draw_scene
 
 BUCKET = "endpoint-sessions"
+STORE = f"s3://{BUCKET}/llava-endpoint"  # where the containers keep their sessions
 STORE_PORT = 9000  # where each container finds the store on its own loopback
 PROMPTS = ["What is in this picture?", "Which colours?", "And where?"]
 TOKENS = 12
@@ -68,13 +69,17 @@ MODEL_NAMES = {"torchserve": "model", "ray": "llava"}
 def stored(s3_port: int, sids: Iterable[str] | None = None, model: str = "") -> dict[str, str]:
     """Session id -> ETag of each of `sids` (of `model`) in the store; with none, every
     object's key."""
-    client = boto3.client(
-        "s3", endpoint_url=f"http://127.0.0.1:{s3_port}", region_name="us-east-1", **CREDENTIALS
-    )
+    client = s3_client(s3_port)
     if sids is None:
         listing = client.list_objects_v2(Bucket=BUCKET).get("Contents", [])
         return {o["Key"]: o["ETag"] for o in listing}
-    return stored_sessions(client, BUCKET, f"s3://{BUCKET}/llava-endpoint", sids, model)
+    return stored_sessions(client, BUCKET, STORE, sids, model)
+
+
+def s3_client(s3_port: int) -> Any:
+    return boto3.client(
+        "s3", endpoint_url=f"http://127.0.0.1:{s3_port}", region_name="us-east-1", **CREDENTIALS
+    )
 
 
 STORE_WAIT_S = 60  # how long the store may take to show what the containers wrote
@@ -85,7 +90,7 @@ class Instance:
 
     def __init__(self, tag: str, model: Path, name: str, engine: str, s3_port: int) -> None:
         env = {
-            "LLAVA_SESSION_STORE": f"s3://{BUCKET}/llava-endpoint",
+            "LLAVA_SESSION_STORE": STORE,
             "LLAVA_SESSION_STORE_ENDPOINT": f"http://127.0.0.1:{STORE_PORT}",
             "LLAVA_DRAIN_GRACE_S": "20",
             # moto's dummy keys stand in for the instance role SageMaker lends a container
@@ -199,8 +204,13 @@ def test_conversations_survive_a_killed_and_a_replaced_container(
             for spare in spares:  # one the kill took before its open was stored is gone
                 with contextlib.suppress(KitError):
                     spare.close()
+            closed = [s.id for s in sessions + spares]
             wait_for(
-                lambda: not stored(s3_port), "the closed sessions' objects to go", STORE_WAIT_S
+                lambda: only_tombstones(
+                    s3_client(s3_port), BUCKET, STORE, closed, MODEL_NAMES[front]
+                ),
+                "the closed sessions' tombstones, and nothing else",
+                STORE_WAIT_S,
             )
         assert said == pipeline_answers(engine, checkpoint, pictures, PROMPTS, TOKENS)
     finally:

@@ -31,6 +31,7 @@ from helpers import (
     ask,
     data_uri,
     make_image,
+    only_tombstones,
     open_session,
     stored_sessions,
     wait_for,
@@ -87,9 +88,13 @@ def settings(s3_url: str) -> dict[str, str]:
     }
 
 
+def s3_client(s3_url: str) -> Any:
+    return boto3.client("s3", endpoint_url=s3_url, **CREDENTIALS)
+
+
 def stored(s3_url: str, sids: Iterable[str] | None = None) -> dict[str, str]:
     """Session id -> ETag of each of `sids` in the store; with none, every object's key."""
-    client = boto3.client("s3", endpoint_url=s3_url, **CREDENTIALS)
+    client = s3_client(s3_url)
     if sids is None:
         listing = client.list_objects_v2(Bucket=BUCKET).get("Contents", [])
         return {o["Key"]: o["ETag"] for o in listing}
@@ -178,7 +183,13 @@ def test_conversations_survive_scale_in_an_update_and_a_lost_instance(
             assert resumed.id == sessions[1].id
             for s in sessions:
                 s.close()
-            wait_for(lambda: not stored(s3_url), "the closed sessions' objects to go", STORE_WAIT_S)
+            wait_for(
+                lambda: only_tombstones(
+                    s3_client(s3_url), BUCKET, settings(s3_url)["LLAVA_SESSION_STORE"], ids
+                ),
+                "the closed sessions' tombstones, and nothing else",
+                STORE_WAIT_S,
+            )
     finally:
         for ts in servers:
             ts.stop()

@@ -21,10 +21,11 @@ from helpers import Reference, data_uri, make_image, serve_rows
 from llava.api.headers import NEW_SESSION_HEADER, SESSION_HEADER
 from llava.core.config import ServerConfig
 from llava.core.ids import new_session_id
+from llava.sessions.fenced import ClosedInStore, NotStored
 from llava.sessions.objects import S3Objects, StoreLocation
-from llava.sessions.sealed import seal, store_key
+from llava.sessions.sealed import Sealed, seal, store_key
 from llava.sessions.session import CLOSED, EVICTED, EXPIRED
-from llava.sessions.shared import NotStored, SharedStore
+from llava.sessions.shared import SharedStore
 from llava.sessions.snapshots import CorruptSnapshot
 
 BUCKET = "llava-sessions"
@@ -79,7 +80,7 @@ def keys(url: str, prefix: str) -> list[str]:
 def test_a_saved_state_is_sealed_in_the_bucket_and_read_back(s3_url: str) -> None:
     store = shared(s3_url, "one")
     sid = new_session_id()
-    store.save(sid, lambda: b"state")
+    store.save(sid, lambda: b"state", 1)
     assert store.flush(10)
     [key] = keys(s3_url, "one/")
     assert key == store.object_key(sid) and sid not in key  # no listing reveals an id
@@ -87,7 +88,7 @@ def test_a_saved_state_is_sealed_in_the_bucket_and_read_back(s3_url: str) -> Non
     assert body != b"state" and body.endswith(b"state")  # sealed, not the bare payload
     assert store.fetch(sid).result(10) == b"state"
     assert store.stats()["writes"] == 1 and store.size_of(sid) == len(body)
-    store.save(sid, lambda: b"state, a turn later")
+    store.save(sid, lambda: b"state, a turn later", 2)
     assert store.flush(10)
     assert store.stats()["writes"] == 2 and store.stats()["objects"] == 1
     with pytest.raises(NotStored):
@@ -105,13 +106,13 @@ def test_only_the_latest_state_of_a_session_waits_and_the_queue_is_bounded(s3_ur
         return b"first"
 
     a, b, c, d = (new_session_id() for _ in range(4))
-    store.save(a, slow)
+    store.save(a, slow, 1)
     assert busy.wait(10)  # the writer is held on a's state: the rest queue behind it
-    store.save(b, lambda: b"b-old")
-    store.save(b, lambda: b"b-new")  # replaces b's pending write
+    store.save(b, lambda: b"b-old", 1)
+    store.save(b, lambda: b"b-new", 2)  # replaces b's pending write
     assert store.stats()["pending"] == 2
-    store.save(c, lambda: b"c")
-    store.save(d, lambda: b"d")  # past max_pending: the oldest pending write (b's) goes
+    store.save(c, lambda: b"c", 1)
+    store.save(d, lambda: b"d", 1)  # past max_pending: the oldest pending write (b's) goes
     assert store.stats()["dropped"] == 1
     gate.set()
     assert store.flush(10)
@@ -127,7 +128,7 @@ def test_only_the_latest_state_of_a_session_waits_and_the_queue_is_bounded(s3_ur
 def test_a_damaged_moved_or_foreign_object_is_refused(s3_url: str, damage: str) -> None:
     store = shared(s3_url, "damage")
     sid, other = new_session_id(), new_session_id()
-    store.save(sid, lambda: b"x" * 100)
+    store.save(sid, lambda: b"x" * 100, 1)
     assert store.flush(10)
     key = store.object_key(sid)
     data = raw(s3_url).get_object(Bucket=BUCKET, Key=key)["Body"].read()
@@ -135,7 +136,7 @@ def test_a_damaged_moved_or_foreign_object_is_refused(s3_url: str, damage: str) 
         raw(s3_url).put_object(Bucket=BUCKET, Key=store.object_key(other), Body=data)
         sid = other
     elif damage == "foreign":  # sealed by another endpoint's store (its prefix), put here
-        foreign = seal(store_key(f"s3://{BUCKET}/elsewhere"), sid, b"x" * 100)
+        foreign = seal(store_key(f"s3://{BUCKET}/elsewhere"), sid, Sealed(1, b"x" * 100))
         raw(s3_url).put_object(Bucket=BUCKET, Key=key, Body=foreign)
     else:
         damaged = {"flip": data[:60] + bytes([data[60] ^ 1]) + data[61:], "truncate": data[:-5]}
@@ -148,14 +149,14 @@ def test_a_damaged_moved_or_foreign_object_is_refused(s3_url: str, damage: str) 
 def test_a_secret_refuses_objects_sealed_without_it(s3_url: str) -> None:
     writer = shared(s3_url, "secret", secret="endpoint secret")
     sid = new_session_id()
-    writer.save(sid, lambda: b"state")
+    writer.save(sid, lambda: b"state", 1)
     assert writer.flush(10)
     assert writer.fetch(sid).result(10) == b"state"
     forger = shared(s3_url, "secret")  # knows the bucket and prefix, not the secret
     with pytest.raises(NotStored):  # nor where the session's object is
         forger.fetch(sid).result(10)
     [key] = keys(s3_url, "secret/")  # a listing shows the object, not whose it is
-    forged = seal(store_key(f"s3://{BUCKET}/secret"), sid, b"forged")
+    forged = seal(store_key(f"s3://{BUCKET}/secret"), sid, Sealed(2, b"forged"))
     raw(s3_url).put_object(Bucket=BUCKET, Key=key, Body=forged)
     with pytest.raises(CorruptSnapshot):
         writer.fetch(sid).result(10)
@@ -167,17 +168,21 @@ def test_a_session_ended_by_its_user_goes_and_one_resumed_elsewhere_stays(s3_url
     here, there = shared(s3_url, "ends"), shared(s3_url, "ends")
     closed, expired, moved, evicted = (new_session_id() for _ in range(4))
     for sid in (closed, expired, moved, evicted):
-        here.save(sid, lambda: b"here")
+        here.save(sid, lambda: b"here", 1)
     assert here.flush(10)
-    there.save(moved, lambda: b"there")  # another instance resumed it and answered since
+    assert there.fetch(moved).result(10) == b"here"  # another instance resumed it ...
+    there.save(moved, lambda: b"there", 2)  # ... and answered since
     assert there.flush(10)
     here.remove(closed, CLOSED)
     here.remove(expired, EXPIRED)
     here.remove(moved, EXPIRED)
     here.remove(evicted, EVICTED)
     assert here.flush(10)
-    assert keys(s3_url, "ends/") == sorted(here.object_key(s) for s in (moved, evicted))
+    left = (closed, moved, evicted)  # a closed one leaves its tombstone
+    assert keys(s3_url, "ends/") == sorted(here.object_key(s) for s in left)
     assert there.fetch(moved).result(10) == b"there"
+    with pytest.raises(ClosedInStore):
+        there.fetch(closed).result(10)
     here.close()
     there.close()
 
@@ -188,10 +193,10 @@ def test_a_session_resumed_here_that_expires_here_is_deleted(s3_url: str) -> Non
     there, here = shared(s3_url, "resumed"), shared(s3_url, "resumed")
     idle, moved = new_session_id(), new_session_id()
     for sid in (idle, moved):
-        there.save(sid, lambda: b"there")
+        there.save(sid, lambda: b"there", 1)
     assert there.flush(10)
     assert here.fetch(idle).result(10) == b"there" == here.fetch(moved).result(10)
-    there.save(moved, lambda: b"there again")  # resumed back there, and answered
+    there.save(moved, lambda: b"there again", 2)  # resumed back there, and answered
     assert there.flush(10)
     here.remove(idle, EXPIRED)
     here.remove(moved, EXPIRED)
@@ -206,7 +211,7 @@ def test_a_store_that_is_down_costs_writes_never_a_caller(s3_url: str) -> None:
     dead = S3Objects.connect(BUCKET, endpoint_url="http://127.0.0.1:9", timeout_s=0.5)
     store = SharedStore(dead, location, retry_s=0.01)
     sid = new_session_id()
-    store.save(sid, lambda: b"state")  # returns at once: the writer thread does the work
+    store.save(sid, lambda: b"state", 1)  # returns at once: the writer thread does the work
     store.remove(new_session_id(), CLOSED)
     assert store.flush(60)
     stats = store.stats()
@@ -287,7 +292,8 @@ def test_a_conversation_begun_on_one_instance_goes_on_on_another(pair, reference
     status, closed = call(b, {"type": "close_session"}, sid)
     assert status == 200 and closed["closed"]
     assert b.shared.flush(10)
-    assert b.shared.object_key(sid) not in keys(s3_url, "endpoint/")
+    with pytest.raises(ClosedInStore):  # its tombstone: no stale copy can bring it back
+        a.shared.fetch(sid).result(10)
 
 
 def test_a_client_can_resume_explicitly_and_is_pinned_to_the_new_instance(pair, reference):
@@ -350,7 +356,9 @@ def test_a_stored_state_of_another_model_costs_its_own_session_only(pair, s3_url
     key = store_key(f"s3://{BUCKET}/endpoint/llava")
     payload = a.shared.fetch(sid).result(10)
     other = with_meta(payload, lambda meta: meta.update(model="another-checkpoint"))
-    raw(s3_url).put_object(Bucket=BUCKET, Key=a.shared.object_key(sid), Body=seal(key, sid, other))
+    raw(s3_url).put_object(
+        Bucket=BUCKET, Key=a.shared.object_key(sid), Body=seal(key, sid, Sealed(1, other))
+    )
     status, body = ask(b, sid, "Hello?")
     assert status == 400 and body["error"]["code"] == "session_lost"
     assert "different model" in body["error"]["message"]
@@ -424,7 +432,7 @@ def test_deletions_are_never_dropped_and_a_read_waits_for_this_instances_own_wri
     gate, busy = threading.Event(), threading.Event()
     closed, newer = new_session_id(), new_session_id()
     for sid, state in ((closed, b"old"), (newer, b"v1")):
-        store.save(sid, lambda state=state: state)
+        store.save(sid, lambda state=state: state, 1)
         assert store.flush(10)
     assert store.fetch(closed).result(10) == b"old"
 
@@ -433,16 +441,16 @@ def test_deletions_are_never_dropped_and_a_read_waits_for_this_instances_own_wri
         gate.wait(10)
         return b"v2"
 
-    store.save(newer, held)  # the writer is held on newer's second state
+    store.save(newer, held, 2)  # the writer is held on newer's second state
     assert busy.wait(10)
     store.remove(closed, CLOSED)
-    store.save(new_session_id(), lambda: b"x")  # over max_pending: a write goes, not the delete
+    store.save(new_session_id(), lambda: b"x", 1)  # over max_pending: a write goes, not the delete
     reading = store.fetch(newer)  # this instance's own write of it is still in progress
     assert not reading.done()
     gate.set()
     assert reading.result(10) == b"v2"  # not the older object in the bucket
     assert store.flush(10)
-    with pytest.raises(NotStored):
+    with pytest.raises(ClosedInStore):
         store.fetch(closed).result(10)
     assert store.stats()["dropped"] == 1
     store.close()
@@ -482,7 +490,7 @@ def test_a_stopping_instance_refuses_a_held_session_only_once_its_state_is_store
         gate.wait(10)
         return b"the latest state"
 
-    a.shared.save(sid, latest)  # its last turn's write has not landed yet
+    a.shared.save(sid, latest, 2)  # its last turn's write has not landed yet
     assert busy.wait(10)
     a.service.stopping = True
     try:
@@ -509,7 +517,7 @@ def test_a_drain_saves_again_what_the_store_never_got(tiny_checkpoint, tmp_path,
     sid = call(inst, {"type": "open_session", "image": data_uri(make_image(68))})[1]["session_id"]
     assert inst.shared.flush(10)
     before = inst.shared.fetch(sid).result(10)
-    real = inst.shared.objects
+    real = inst.shared.fenced.objects
 
     class Down:
         def __getattr__(self, name: str) -> Any:
@@ -518,11 +526,11 @@ def test_a_drain_saves_again_what_the_store_never_got(tiny_checkpoint, tmp_path,
 
             return fail
 
-    inst.shared.objects, inst.shared.retry_s = Down(), 0.001
+    inst.shared.fenced.objects, inst.shared.retry_s = Down(), 0.001
     assert ask(inst, sid, "What is this?")[0] == 200  # answered all the same
     assert inst.shared.flush(10)
     assert inst.shared.dirty() == {sid} and inst.shared.stats()["failures"] == 1
-    inst.shared.objects = real  # the store is back; nothing else writes this session
+    inst.shared.fenced.objects = real  # the store is back; nothing else writes this session
     assert inst.drain(grace_s=5)["flushed"]
     assert inst.shared.dirty() == set()
     assert inst.shared.fetch(sid).result(10) != before  # the answered turn is in the store
