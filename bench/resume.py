@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> None:
             snapshot_dir=str(work / f"snaps-{name}"),
             session_store=f"s3://{BUCKET}/endpoint" if store else "",
             session_store_endpoint=url if store else "",
+            session_store_secret="a benchmark's store secret" if store else "",
         )
         print(f"loading instance {name}", file=sys.stderr)
         return assemble(checkpoint, config, model_name="llava", registry_dir=str(work / name))

@@ -423,11 +423,35 @@ def centre_colour(image: Image.Image, shape: Shape) -> tuple[int, int, int]:
     return image.getpixel((int(shape.x), int(y)))  # type: ignore[return-value]
 
 
+STORE_SECRET = "a test endpoint's session-store secret"
+STORE_SECRET_NAME = "llava/tests/session-store"
+
+
+def store_secret_arn(endpoint_url: str) -> str:
+    """The ARN of the shared store's secret in an AWS API server (moto's), made on first use as
+    `deploy --session-store` makes it in Secrets Manager."""
+    import boto3
+
+    client = boto3.client(
+        "secretsmanager",
+        endpoint_url=endpoint_url,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )
+    try:
+        return str(client.describe_secret(SecretId=STORE_SECRET_NAME)["ARN"])
+    except client.exceptions.ResourceNotFoundException:
+        made = client.create_secret(Name=STORE_SECRET_NAME, SecretString=STORE_SECRET)
+        return str(made["ARN"])
+
+
 def stored_sessions(
     client: Any, bucket: str, store_uri: str, sids: Iterable[str], model: str = "llava"
 ) -> dict[str, str]:
-    """Session id -> ETag of each of `sids` with an object in a shared store (objects are
-    named by a MAC of the id, so a listing alone says whose they are to no one)."""
+    """Session id -> ETag of each of `sids` with an object in a shared store sealed with
+    STORE_SECRET (objects are named by a MAC of the id, so a listing alone says whose they
+    are to no one)."""
     _, names = _store_names(store_uri, sids, model)
     listing = client.list_objects_v2(Bucket=bucket).get("Contents", [])
     return {names[o["Key"]]: o["ETag"] for o in listing if o["Key"] in names}
@@ -452,12 +476,12 @@ def only_tombstones(
 
 
 def _store_names(store_uri: str, sids: Iterable[str], model: str) -> tuple[bytes, dict[str, str]]:
-    """A store's sealing key (no secret), and its object keys -> the session ids they name."""
+    """A store's sealing key (STORE_SECRET's), and its object keys -> the ids they name."""
     from llava.sessions.objects import StoreLocation
     from llava.sessions.sealed import object_name, store_key
 
     location = StoreLocation.parse(store_uri).under(model)
-    key = store_key(location.uri)
+    key = store_key(location.uri, STORE_SECRET)
     return key, {location.key(object_name(key, sid)): sid for sid in sids}
 
 

@@ -105,12 +105,15 @@ class ServerConfig:
     # update, a lost host): "s3://bucket/prefix" keeps every session's latest snapshot there
     # (written off the step thread after each open and finished turn) and lets any instance
     # resume it; "" = off (nothing leaves the instance). An S3-compatible server by its
-    # endpoint URL; SSE-KMS by key id; the secret (best from LLAVA_SESSION_STORE_SECRET) seals
+    # endpoint URL; SSE-KMS by key id; the secret (below, required) seals
     # objects so one forged without it is refused.
     session_store: str = ""
     session_store_endpoint: str = ""
     session_store_kms_key: str = ""
+    # The store's secret (required with a store): its value, or a Secrets Manager secret (name or
+    # ARN) read at start through the instance's role; `deploy --session-store` makes the latter.
     session_store_secret: str = dataclasses.field(default="", repr=False)  # never logged
+    session_store_secret_id: str = ""
     session_store_max_pending: int = 256  # sessions whose write may wait; past it the oldest go
     # Before each turn of a held session, one HEAD to the store: another instance answered it
     # since? (then this copy is dropped and the newer one resumed). Off saves that round trip

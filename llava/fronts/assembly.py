@@ -92,16 +92,11 @@ def open_shared_store(config: ServerConfig, name: str) -> Any:
     if not config.session_store:
         return None
     from llava.sessions.objects import S3Objects, StoreLocation
+    from llava.sessions.secret import store_secret
     from llava.sessions.shared import SharedStore
 
     location = StoreLocation.parse(config.session_store).under(safe_name(name))
-    if not config.session_store_secret:
-        log.warning(
-            "the session store has no secret (session_store_secret): anyone who can write to "
-            "%s can put a conversation there that instances will resume; set "
-            "LLAVA_SESSION_STORE_SECRET",
-            location.uri,
-        )
+    secret = store_secret(config.session_store_secret, config.session_store_secret_id)
     objects = S3Objects.connect(
         location.bucket,
         endpoint_url=config.session_store_endpoint,
@@ -110,7 +105,7 @@ def open_shared_store(config: ServerConfig, name: str) -> Any:
     return SharedStore(
         objects,
         location,
-        secret=config.session_store_secret,
+        secret=secret,
         verify_turns=config.session_store_verify_turns,
         max_pending=config.session_store_max_pending,
     )

@@ -22,7 +22,7 @@ from typing import Any
 import boto3
 import pytest
 from containers import IMAGES, Container, docker
-from helpers import data_uri, only_tombstones, stored_sessions, wait_for
+from helpers import data_uri, only_tombstones, store_secret_arn, stored_sessions, wait_for
 from oracles import pipeline_answers
 from relay import Relay, expose
 
@@ -92,6 +92,9 @@ class Instance:
         env = {
             "LLAVA_SESSION_STORE": STORE,
             "LLAVA_SESSION_STORE_ENDPOINT": f"http://127.0.0.1:{STORE_PORT}",
+            # the store's secret in Secrets Manager, as deploy sets it (moto serves it too)
+            "LLAVA_SESSION_STORE_SECRET_ID": store_secret_arn(f"http://127.0.0.1:{s3_port}"),
+            "AWS_ENDPOINT_URL_SECRETS_MANAGER": f"http://127.0.0.1:{STORE_PORT}",
             "LLAVA_DRAIN_GRACE_S": "20",
             # moto's dummy keys stand in for the instance role SageMaker lends a container
             "AWS_ACCESS_KEY_ID": "testing",

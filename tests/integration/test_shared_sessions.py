@@ -33,6 +33,7 @@ from helpers import (
     make_image,
     only_tombstones,
     open_session,
+    store_secret_arn,
     stored_sessions,
     wait_for,
 )
@@ -77,10 +78,13 @@ CREDENTIALS = {
 
 
 def settings(s3_url: str) -> dict[str, str]:
-    """Each instance's environment: the shared store, and dummy credentials for moto."""
+    """Each instance's environment: the shared store, its secret in Secrets Manager (as deploy
+    sets it), and dummy credentials for moto (which serves both APIs)."""
     return {
         "LLAVA_SESSION_STORE": f"s3://{BUCKET}/llava-endpoint",
         "LLAVA_SESSION_STORE_ENDPOINT": s3_url,
+        "LLAVA_SESSION_STORE_SECRET_ID": store_secret_arn(s3_url),
+        "AWS_ENDPOINT_URL_SECRETS_MANAGER": s3_url,
         "LLAVA_DRAIN_GRACE_S": "20",
         "AWS_ACCESS_KEY_ID": "testing",
         "AWS_SECRET_ACCESS_KEY": "testing",

@@ -722,11 +722,19 @@ def test_delete_inference_component_endpoint() -> None:
     )
     stub.add_response("delete_endpoint_config", {}, {"EndpointConfigName": name})
     stub.add_response("delete_model", {}, {"ModelName": name})
+    secrets = boto3.client("secretsmanager", region_name=REGION)
+    secrets_stub = Stubber(secrets)  # no session store: no secret to delete
+    secrets_stub.add_client_error(
+        "describe_secret",
+        "ResourceNotFoundException",
+        expected_params={"SecretId": "llava/llava/session-store"},
+    )
     clock = Clock()
-    with stub:
+    with stub, secrets_stub:
         report = dp.delete(
             "llava",
             sm_client=sm,
+            secrets_client=secrets,
             progress=lambda line: None,
             poll_s=5,
             sleep=clock.sleep,
@@ -995,7 +1003,11 @@ def test_the_roles_access_to_the_session_store_is_checked_before_deploying() -> 
 
     said: list[str] = []
     iam = RecordingIam()
-    check_store_access(iam, ROLE, "s3://bucket/sessions/llava", progress=said.append)
+    check_store_access(
+        iam, ROLE, "s3://bucket/sessions/llava", endpoint="llava", progress=said.append
+    )
+    account = ROLE.split(":")[4]
+    secret = f"arn:aws:secretsmanager:us-east-1:{account}:secret:llava/llava/session-store"
     assert iam.calls == [
         {
             "PolicySourceArn": ROLE,
@@ -1007,26 +1019,37 @@ def test_the_roles_access_to_the_session_store_is_checked_before_deploying() -> 
             "ActionNames": ["s3:ListBucket"],
             "ResourceArns": ["arn:aws:s3:::bucket"],
         },
+        {  # the secret deploy makes: Secrets Manager ends its ARN with 6 random characters
+            "PolicySourceArn": ROLE,
+            "ActionNames": ["secretsmanager:GetSecretValue"],
+            "ResourceArns": [f"{secret}-AbCdEf"],
+        },
     ]
     assert said == ["the execution role may use the session store s3://bucket/sessions/llava"]
     # with a key: the key's actions too, on its ARN (a bare id is in the role's account)
     iam = RecordingIam(denied={"s3:PutObject", "kms:GenerateDataKey"})
     with pytest.raises(dp.DeployError) as info:
-        check_store_access(iam, ROLE, "s3://bucket/p", kms_key="k-1", region="eu-west-1")
-    account = ROLE.split(":")[4]
-    assert iam.calls[2]["ResourceArns"] == [f"arn:aws:kms:eu-west-1:{account}:key/k-1"]
+        check_store_access(
+            iam, ROLE, "s3://bucket/p", endpoint="chat", kms_key="k-1", region="eu-west-1"
+        )
+    assert iam.calls[3]["ResourceArns"] == [f"arn:aws:kms:eu-west-1:{account}:key/k-1"]
     message = str(info.value)
     assert "may not s3:PutObject, kms:GenerateDataKey" in message
     policy = json.loads(message[message.index("{") :])
     assert [s["Resource"] for s in policy["Statement"]] == [
         "arn:aws:s3:::bucket/p/*",
         "arn:aws:s3:::bucket",
+        f"arn:aws:secretsmanager:eu-west-1:{account}:secret:llava/chat/session-store-??????",
         f"arn:aws:kms:eu-west-1:{account}:key/k-1",
     ]
     # a caller who may not simulate is warned, not stopped
     said.clear()
     check_store_access(
-        RecordingIam(fail=RuntimeError("AccessDenied")), ROLE, "s3://bucket/p", progress=said.append
+        RecordingIam(fail=RuntimeError("AccessDenied")),
+        ROLE,
+        "s3://bucket/p",
+        endpoint="llava",
+        progress=said.append,
     )
     assert said[0].startswith("warning: could not check") and "s3:PutObject" in said[0]
 
@@ -1098,3 +1121,32 @@ def test_the_session_store_gets_a_lifecycle_rule_beside_the_buckets_own() -> Non
     said.clear()
     assert ensure_lifecycle(Refusing(), "s3://bucket/p", 1200, progress=said.append) is None
     assert said[0].startswith("warning: could not set") and '"Days": 2' in said[0]
+
+
+@mock_aws
+def test_the_session_store_gets_a_secret_that_an_update_keeps_and_a_delete_removes() -> None:
+    """deploy --session-store makes the endpoint's secret in Secrets Manager (256 random bits),
+    an update keeps it (sessions sealed with it stay readable), the worker reads it through
+    its role, and delete removes it."""
+    import boto3
+
+    from llava.sessions.secret import store_secret
+    from llava.tools.deploy.store_secret import delete_store_secret, ensure_store_secret
+
+    secrets = boto3.client("secretsmanager", region_name=REGION)
+    said: list[str] = []
+    arn = ensure_store_secret(secrets, "chat", progress=said.append)
+    assert arn.split(":secret:")[1].startswith("llava/chat/session-store-")
+    assert ensure_store_secret(secrets, "chat", progress=said.append) == arn  # an update
+    assert said == [
+        "made the session store's secret llava/chat/session-store in Secrets Manager",
+        "the session store keeps its secret llava/chat/session-store",
+    ]
+    value = secrets.get_secret_value(SecretId=arn)["SecretString"]
+    assert len(value) >= 43 and ensure_store_secret(secrets, "other", progress=said.append) != arn
+    assert store_secret("", arn) == value  # what the worker reads at start (region from the ARN)
+    tags = secrets.describe_secret(SecretId=arn)["Tags"]
+    assert {"Key": "llava:endpoint", "Value": "chat"} in tags
+    assert delete_store_secret(secrets, "chat") and not delete_store_secret(secrets, "chat")
+    with pytest.raises(ValueError, match="GetSecretValue"):
+        store_secret("", arn)

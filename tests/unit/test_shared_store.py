@@ -16,7 +16,7 @@ from typing import Any
 
 import boto3
 import pytest
-from helpers import Reference, data_uri, make_image, serve_rows
+from helpers import STORE_SECRET, Reference, data_uri, make_image, serve_rows, store_secret_arn
 
 from llava.api.headers import NEW_SESSION_HEADER, SESSION_HEADER
 from llava.core.config import ServerConfig
@@ -248,7 +248,7 @@ def instance(checkpoint: Path, tmp: Path, url: str, name: str, **settings: Any) 
         snapshot_dir=str(tmp / f"snaps-{name}"),
         session_store=f"s3://{BUCKET}/endpoint",
         session_store_endpoint=url,
-        **settings,
+        **{"session_store_secret": STORE_SECRET, **settings},
     )
     return assemble(checkpoint, config, model_name="llava", registry_dir=str(tmp / f"reg-{name}"))
 
@@ -272,6 +272,45 @@ def pair(tiny_checkpoint: Path, tmp_path_factory: Any, s3_url: str) -> Iterator[
     for inst in (a, b):
         inst.service.close()
         inst.shared.close()
+
+
+def test_a_store_never_runs_without_a_secret_and_reads_its_own_from_secrets_manager(
+    tiny_checkpoint: Path, tmp_path: Path, s3_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No secret: the instance refuses to start, saying how to give one. A Secrets Manager
+    secret (as `deploy --session-store` makes it): read at start through the role, and every
+    object sealed with it; one the role cannot read stops the start with the permission named."""
+    with pytest.raises(ValueError, match="needs a secret"):
+        instance(tiny_checkpoint, tmp_path, s3_url, "bare", session_store_secret="")
+    with pytest.raises(ValueError, match="needs a secret"):
+        instance(tiny_checkpoint, tmp_path, s3_url, "weak", session_store_secret="short")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_SECRETS_MANAGER", s3_url)
+    with pytest.raises(ValueError, match="secretsmanager:GetSecretValue"):
+        instance(
+            tiny_checkpoint, tmp_path, s3_url, "none", session_store_secret="",
+            session_store_secret_id="arn:aws:secretsmanager:us-east-1:123456789012:secret:gone-AbCdEf",
+        )  # fmt: skip
+    arn = store_secret_arn(s3_url)
+    inst = instance(
+        tiny_checkpoint,
+        tmp_path,
+        s3_url,
+        "sm",
+        session_store_secret="",
+        session_store_secret_id=arn,
+    )
+    sid = call(inst, {"type": "open_session", "image": data_uri(make_image(69))})[1]["session_id"]
+    assert inst.shared.flush(10)
+    location = inst.shared.location
+    for secret, readable in ((STORE_SECRET, True), ("", False), ("another secret here", False)):
+        reader = SharedStore(
+            S3Objects.connect(BUCKET, endpoint_url=s3_url), location, secret=secret
+        )
+        outcome = reader.fetch(sid).exception(10)
+        assert (outcome is None) == readable, outcome
+        reader.close()
+    inst.service.close()
+    inst.shared.close()
 
 
 def test_a_conversation_begun_on_one_instance_goes_on_on_another(pair, reference, s3_url) -> None:
@@ -353,7 +392,7 @@ def test_a_stored_state_of_another_model_costs_its_own_session_only(pair, s3_url
     a, b = pair
     sid = call(a, {"type": "open_session", "image": data_uri(make_image(55))})[1]["session_id"]
     assert a.shared.flush(10)
-    key = store_key(f"s3://{BUCKET}/endpoint/llava")
+    key = store_key(f"s3://{BUCKET}/endpoint/llava", STORE_SECRET)
     payload = a.shared.fetch(sid).result(10)
     other = with_meta(payload, lambda meta: meta.update(model="another-checkpoint"))
     raw(s3_url).put_object(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from llava.tools.deploy.names import validate_name
 from llava.tools.deploy.spec import GPU_AMI, DeploySpec
 from llava.tools.deploy.store_access import check_store_access
 from llava.tools.deploy.store_lifecycle import FRONTS_MODEL, check_apart, ensure_lifecycle
+from llava.tools.deploy.store_secret import ensure_store_secret
 from llava.tools.deploy.teardown import DeleteReport, delete
 from llava.tools.deploy.upload import upload_archive
 
@@ -171,6 +173,7 @@ def run_deploy(args: Any) -> Deployment:
                 iam,
                 role_arn,
                 args.session_store,
+                endpoint=name,
                 kms_key=args.session_store_kms_key or "",
                 region=region,
             )
@@ -185,6 +188,9 @@ def run_deploy(args: Any) -> Deployment:
             s3_store = boto3.client("s3", region_name=region)
             model = FRONTS_MODEL[args.front]
             ensure_lifecycle(s3_store, args.session_store, args.ttl, model=model)
+            secrets = boto3.client("secretsmanager", region_name=region)
+            arn = ensure_store_secret(secrets, name)
+            spec = replace(spec, settings={**spec.settings, "session_store_secret_id": arn})
         if s3_uri is not None:
             if args.archive:
                 upload_archive(args.archive, s3_uri, s3_client=s3)

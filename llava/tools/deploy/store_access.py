@@ -14,6 +14,7 @@ from typing import Any
 
 from llava.tools.deploy.errors import DeployError
 from llava.tools.deploy.names import parse_s3_uri
+from llava.tools.deploy.store_secret import SECRET_ACTIONS, secret_arns
 
 OBJECT_ACTIONS = ("s3:GetObject", "s3:PutObject", "s3:DeleteObject")
 # Without it S3 answers 403, not 404, for an object that is not there: every unknown session
@@ -30,8 +31,8 @@ def key_arn(kms_key: str, role_arn: str, region: str) -> str:
     return f"arn:aws:kms:{region}:{account}:key/{kms_key}"
 
 
-def least_policy(store_uri: str, kms_arn: str | None) -> dict[str, Any]:
-    """The least policy the execution role needs for the store (and its key)."""
+def least_policy(store_uri: str, kms_arn: str | None, secret_arn: str) -> dict[str, Any]:
+    """The least policy the execution role needs for the store, its secret (and its key)."""
     bucket, prefix = parse_s3_uri(store_uri, require_prefix=False)
     statements: list[dict[str, Any]] = [
         {
@@ -46,6 +47,12 @@ def least_policy(store_uri: str, kms_arn: str | None) -> dict[str, Any]:
             "Action": list(LIST_ACTIONS),
             "Resource": f"arn:aws:s3:::{bucket}",
             "Condition": {"StringLike": {"s3:prefix": [f"{prefix}*"]}},
+        },
+        {
+            "Sid": "SessionStoreSecret",
+            "Effect": "Allow",
+            "Action": list(SECRET_ACTIONS),
+            "Resource": secret_arn,
         },
     ]
     if kms_arn:
@@ -65,17 +72,21 @@ def check_store_access(
     role_arn: str,
     store_uri: str,
     *,
+    endpoint: str,
     kms_key: str = "",
     region: str = "us-east-1",
     progress: Callable[[str], None] = print,
 ) -> None:
-    """Simulate the role's policies on the store's objects (and key); raise `DeployError` with
-    the least policy if any action is denied. A caller not allowed to simulate is told so."""
+    """Simulate the role's policies on the store's objects, the endpoint's store secret (and
+    key); raise `DeployError` with the least policy if any action is denied. A caller not
+    allowed to simulate is told so."""
     bucket, prefix = parse_s3_uri(store_uri, require_prefix=False)
     kms_arn = key_arn(kms_key, role_arn, region) if kms_key else None
+    secret_pattern, secret_example = secret_arns(endpoint, role_arn, region)
     checks: list[tuple[tuple[str, ...], str]] = [
         (OBJECT_ACTIONS, f"arn:aws:s3:::{bucket}/{prefix}llava-check.snap"),
         (LIST_ACTIONS, f"arn:aws:s3:::{bucket}"),
+        (SECRET_ACTIONS, secret_example),
     ]
     if kms_arn:
         checks.append((KEY_ACTIONS, kms_arn))
@@ -93,7 +104,7 @@ def check_store_access(
     except Exception as exc:
         progress(
             f"warning: could not check the role's access to the session store ({exc}); "
-            "make sure it has: " + json.dumps(least_policy(store_uri, kms_arn))
+            "make sure it has: " + json.dumps(least_policy(store_uri, kms_arn, secret_pattern))
         )
         return
     if denied:
@@ -101,6 +112,6 @@ def check_store_access(
             f"the execution role {role_arn} may not {', '.join(denied)} in the session store "
             f"{store_uri}: its conversations would not outlive an instance. Attach this "
             "policy to the role (or drop --session-store):\n"
-            + json.dumps(least_policy(store_uri, kms_arn), indent=2)
+            + json.dumps(least_policy(store_uri, kms_arn, secret_pattern), indent=2)
         )
     progress(f"the execution role may use the session store {store_uri}")

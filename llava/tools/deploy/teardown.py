@@ -11,6 +11,7 @@ from typing import Any
 from llava.tools.deploy.aws import aws_client, describe_or_none, is_missing, paginate
 from llava.tools.deploy.names import base_name, parse_s3_uri, stamp_pattern, validate_name
 from llava.tools.deploy.progress import Progress, print_stderr
+from llava.tools.deploy.store_secret import delete_store_secret, secret_name
 from llava.tools.deploy.upload import delete_s3_prefix
 from llava.tools.deploy.waiting import wait_gone
 
@@ -29,6 +30,7 @@ def delete(
     sm_client: Any = None,
     s3_client: Any = None,
     ecr_client: Any = None,
+    secrets_client: Any = None,
     s3_uri: str | None = None,
     ecr_repository: str | None = None,
     wait: bool = True,
@@ -43,8 +45,9 @@ def delete(
     Finds the endpoint config through the endpoint, the models through the config's variants
     and the inference components on the endpoint, plus leftovers named `<name>-<stamp>` (from an
     update not waited for, or a half-finished delete). Inference components go first, then the
-    endpoint (waited for until gone, unless `wait=False`), configs, models. `s3_uri` (the model
-    data prefix) and `ecr_repository` (with all its images) are deleted only when given.
+    endpoint (waited for until gone, unless `wait=False`), configs, models, and the session
+    store's secret if `deploy --session-store` made one. `s3_uri` (the model data prefix) and
+    `ecr_repository` (with all its images) are deleted only when given.
     """
     validate_name(name)
     sm = aws_client("sagemaker", sm_client)
@@ -142,6 +145,8 @@ def delete(
         if remove(sm.delete_model, f"model {model_name}", ModelName=model_name):
             done(f"model {model_name}")
 
+    if delete_store_secret(aws_client("secretsmanager", secrets_client, region), name):
+        done(f"secret {secret_name(name)}")
     if s3_uri:
         bucket, prefix = parse_s3_uri(s3_uri)
         count = delete_s3_prefix(s3_uri, s3_client=aws_client("s3", s3_client, region))
