@@ -24,7 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from llava.sessions.objects import ObjectStore, Refused, StoreLocation
-from llava.sessions.sealed import Sealed, object_name, seal, unseal
+from llava.sessions.sealed import Sealed, object_name, part_name, seal, unseal
 from llava.sessions.snapshots import CorruptSnapshot
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,10 @@ class FencedObjects:
     def object_key(self, sid: str) -> str:
         """The key of `sid`'s object (named by `sealed.object_name`)."""
         return self.location.key(object_name(self._key, sid))
+
+    def part_key(self, digest: str) -> str:
+        """The key of the part whose content has `digest` (named by `sealed.part_name`)."""
+        return self.location.part_key(part_name(self._key, digest))
 
     def generation(self, sid: str) -> int:
         """The generation of `sid`'s object as this instance last wrote or read it (0: none)."""

@@ -22,9 +22,9 @@ class Refused(Exception):
 class ObjectStore(Protocol):
     """Put, get, look up and delete whole objects by key; writes conditional on ETags."""
 
-    def put(self, key: str, data: bytes, *, if_match: str | None) -> str:
+    def put(self, key: str, data: bytes, *, if_match: str | None, always: bool = False) -> str:
         """Write an object only if it is still `if_match` (an ETag), or, if None, only if
-        there is none; return its ETag, or raise `Refused`."""
+        there is none (or, `always`, whatever is there); return its ETag, or raise `Refused`."""
         ...
 
     def get(self, key: str, max_bytes: int) -> tuple[bytes, str] | None:
@@ -67,6 +67,10 @@ class StoreLocation:
     def key(self, sid: str) -> str:
         return f"{self.prefix}/{sid}.snap" if self.prefix else f"{sid}.snap"
 
+    def part_key(self, name: str) -> str:
+        """The key of a part stored once by content (a picture, or its features)."""
+        return f"{self.prefix}/parts/{name}" if self.prefix else f"parts/{name}"
+
     @property
     def uri(self) -> str:
         return f"s3://{self.bucket}/{self.prefix}".rstrip("/")
@@ -96,8 +100,10 @@ class S3Objects:
         client = boto3.client("s3", endpoint_url=endpoint_url or None, config=config)
         return cls(client, bucket, kms_key_id)
 
-    def put(self, key: str, data: bytes, *, if_match: str | None) -> str:
+    def put(self, key: str, data: bytes, *, if_match: str | None, always: bool = False) -> str:
         extra: dict[str, str] = {"IfMatch": if_match} if if_match else {"IfNoneMatch": "*"}
+        if always:
+            extra = {}
         if self.kms_key_id:
             extra.update(ServerSideEncryption="aws:kms", SSEKMSKeyId=self.kms_key_id)
         try:

@@ -54,6 +54,13 @@ def object_name(key: bytes, sid: str) -> str:
     return hmac.new(names, sid.encode(), hashlib.sha256).hexdigest()[:40]
 
 
+def part_name(key: bytes, digest: str) -> str:
+    """Name a part stored once by content (`parts.py`) by a MAC of its digest under the
+    store's key: no one without the secret can tell which picture an object holds."""
+    names = hmac.new(key, b"part-names", hashlib.sha256).digest()
+    return hmac.new(names, digest.encode(), hashlib.sha256).hexdigest()[:40]
+
+
 def seal(key: bytes, sid: str, sealed: Sealed) -> bytes:
     """Wrap a snapshot (or a close) for the store, bound to `sid` and the key's store."""
     body = _HEADER.pack(sealed.generation, _CLOSED if sealed.closed else _STATE) + sealed.payload

@@ -10,6 +10,11 @@ counted. Nothing here ever blocks the step thread, and a store that fails (an ou
 permissions) costs only the writes, retried a few times and counted, never an answer: local
 snapshots still cover a restart.
 
+Each snapshot's large arrays (pictures, or their features) are written once, as objects named
+by their content (`parts.py`); each turn writes the rest, a few KB. A part this instance wrote
+is written again only after PART_REFRESH_S, so the lifecycle rule that removes orphans (the TTL
+plus a day after the last write) never removes one a live session still refers to.
+
 Reading happens on reader threads (`fetch` returns a future): a request for a session this
 instance does not hold waits for it like an image, never stalling other streams.
 
@@ -33,15 +38,19 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from llava.core.errors import StoreUnavailable
-from llava.sessions.fenced import FencedObjects
+from llava.sessions import parts
+from llava.sessions.fenced import MAX_OBJECT_BYTES, FencedObjects
 from llava.sessions.objects import ObjectStore, StoreLocation
 from llava.sessions.sealed import Sealed, store_key
 from llava.sessions.session import CLOSED, EVICTED
+from llava.sessions.snapshots import CorruptSnapshot
 
 log = logging.getLogger(__name__)
 
 ATTEMPTS = 4  # tries of one write before it is given up (counted as a failure)
 MAX_READS = 64  # reads waiting or running at once; past it a resume is refused (503)
+PART_REFRESH_S = 12 * 3600.0  # a part written longer ago is written again with its session
+PARTS_REMEMBERED = 65_536  # parts whose last write this instance remembers
 SETTLE_S = 30.0  # how long a read waits for this instance's own pending write of the session
 
 
@@ -98,6 +107,8 @@ class SharedStore:
         self.verify_turns = verify_turns
         self.max_pending = max_pending
         self.retry_s = retry_s
+        self.part_min_bytes = parts.PART_MIN_BYTES
+        self._parts: OrderedDict[str, float] = OrderedDict()  # digest -> written at (oldest first)
         self.fenced = FencedObjects(objects, location, store_key(location.uri, secret))
         self._clock = clock
         self._pending: OrderedDict[str, _Write] = OrderedDict()  # oldest first
@@ -106,6 +117,8 @@ class SharedStore:
         self._reads = 0
         self._counts = {
             "writes": 0,
+            "bytes_written": 0,  # snapshots' skeletons and parts, tombstones
+            "parts_written": 0,
             "closes": 0,
             "deletes": 0,
             "failures": 0,
@@ -215,10 +228,38 @@ class SharedStore:
                 self._reads -= 1
 
     def _get(self, sid: str) -> bytes:
-        payload = self.fenced.read(sid).payload  # held from now: its next write is fenced
+        skeleton = self.fenced.read(sid).payload  # held from now: its next write is fenced
+        payload = parts.join(skeleton, self._part)
         with self._cond:
             self._counts["resumes"] += 1
         return payload
+
+    def _part(self, digest: str) -> bytes:
+        stored = self.fenced.objects.get(self.fenced.part_key(digest), MAX_OBJECT_BYTES)
+        if stored is None:
+            raise CorruptSnapshot(
+                f"a picture of the stored session ({digest[:12]}) is no longer in the store"
+            )
+        return stored[0]
+
+    def _write_parts(self, found: dict[str, bytes]) -> int:
+        """Write the parts this instance did not write lately; return the bytes written."""
+        written = 0
+        for digest, data in found.items():
+            with self._cond:
+                at = self._parts.get(digest)
+            if at is not None and time.monotonic() - at < PART_REFRESH_S:
+                continue
+            key = self.fenced.part_key(digest)
+            self.fenced.objects.put(key, data, if_match=None, always=True)  # same bytes, by name
+            with self._cond:
+                self._parts.pop(digest, None)
+                self._parts[digest] = time.monotonic()
+                while len(self._parts) > PARTS_REMEMBERED:
+                    self._parts.popitem(last=False)
+                self._counts["parts_written"] += 1
+            written += len(data)
+        return written
 
     def holds(self, sid: str) -> bool:
         """Tell whether the store has an object for `sid` (blocking: start-up only); False if
@@ -309,7 +350,11 @@ class SharedStore:
             sealed = Sealed(self.fenced.generation(sid) + 1, b"", closed=True)
         else:
             assert write.produce is not None
-            sealed = Sealed(write.generation, write.produce())
+            cut = parts.split(write.produce(), self.part_min_bytes)
+            written = self._write_parts(cut.parts)  # before the skeleton that refers to them
+            with self._cond:
+                self._counts["bytes_written"] += written
+            sealed = Sealed(write.generation, cut.skeleton)
         size = self.fenced.write(sid, sealed)
         with self._cond:
             self._dirty.discard(sid)
@@ -319,6 +364,7 @@ class SharedStore:
                 self._bytes[sid] = size
             if size is not None:
                 self._counts["closes" if write.closed else "writes"] += 1
+                self._counts["bytes_written"] += size
 
     def _failed(self, sid: str, write: _Write, exc: Exception) -> None:
         write.attempts += 1

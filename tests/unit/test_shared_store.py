@@ -23,6 +23,7 @@ from llava.core.config import ServerConfig
 from llava.core.ids import new_session_id
 from llava.sessions.fenced import ClosedInStore, NotStored
 from llava.sessions.objects import S3Objects, StoreLocation
+from llava.sessions.parts import split
 from llava.sessions.sealed import Sealed, seal, store_key
 from llava.sessions.session import CLOSED, EVICTED, EXPIRED
 from llava.sessions.shared import SharedStore
@@ -396,7 +397,9 @@ def test_a_stored_state_of_another_model_costs_its_own_session_only(pair, s3_url
     payload = a.shared.fetch(sid).result(10)
     other = with_meta(payload, lambda meta: meta.update(model="another-checkpoint"))
     raw(s3_url).put_object(
-        Bucket=BUCKET, Key=a.shared.object_key(sid), Body=seal(key, sid, Sealed(1, other))
+        Bucket=BUCKET,
+        Key=a.shared.object_key(sid),
+        Body=seal(key, sid, Sealed(1, split(other).skeleton)),
     )
     status, body = ask(b, sid, "Hello?")
     assert status == 400 and body["error"]["code"] == "session_lost"
