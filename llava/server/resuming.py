@@ -22,6 +22,7 @@ to this instance.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -50,6 +51,7 @@ from llava.sessions.store import SessionStore
 log = logging.getLogger(__name__)
 
 RESUMED = "resumed_from_store"  # the session's info flag until its next answer reports it
+CHECK_WAIT_S = 2.0  # a turn waits this long at most for its check; then answers unchecked
 
 
 @dataclass(eq=False)
@@ -63,6 +65,11 @@ class Resuming:
     close: bool = False  # a `close_session`: the stored state is deleted, never restored
     refuse: bool = False  # refused (the instance is stopping) once its latest state is stored
     check: bool = False  # held here: `data` tells whether this copy is still the newest
+    deadline: float = math.inf  # (monotonic) a check not done by then is not waited for
+
+    def ready(self) -> bool:
+        """Whether the step loop should take it up now: read, or a check past its deadline."""
+        return self.data.done() or time.monotonic() > self.deadline
 
 
 class SessionResumer(Generic[StateT, TurnT]):
@@ -103,8 +110,9 @@ class SessionResumer(Generic[StateT, TurnT]):
                 return Resuming(sid, self.shared.settled(sid), item, refuse=True)
             return None
         if sid is not None and not checked and self._verified(request, sid):
-            return Resuming(sid, self.shared.check(sid), item, check=True)
-        if sid is not None and self.shared.fenced.take_moved(sid):  # unchecked, known stale
+            deadline = time.monotonic() + CHECK_WAIT_S
+            return Resuming(sid, self.shared.check(sid), item, check=True, deadline=deadline)
+        if sid is not None and self.shared.fenced.moved(sid):  # unchecked, known stale
             self._drop(sid)
         if not self.wanted(sid):
             return None
@@ -134,7 +142,12 @@ class SessionResumer(Generic[StateT, TurnT]):
 
     def _drop_if_stale(self, work: Resuming) -> None:
         """Drop this instance's copy of a session another instance answered since: the
-        request resumes it from the store. A store that cannot be read keeps the copy."""
+        request resumes it from the store. A store that cannot be read (or is slow) keeps
+        the copy, and turns go unchecked a while."""
+        if not work.data.done():
+            log.warning("session %s: the shared store is slow to check; answering here", work.sid)
+            self.shared.pause_checks()
+            return
         try:
             current = work.data.result()
         except Exception as exc:
@@ -177,6 +190,10 @@ class SessionResumer(Generic[StateT, TurnT]):
             self.store.load_tombstones([work.sid], CLOSED)
             raise SessionClosed(f"session {work.sid} was closed; open a new one") from None
         except CorruptSnapshot as exc:
+            if work.close:  # whatever is stored, the user's close wins: its tombstone
+                self.shared.remove(work.sid, CLOSED)
+                self.store.load_tombstones([work.sid], CLOSED)
+                return None
             log.warning("session %s cannot be resumed from the store: %s", work.sid, exc)
             raise SessionLost(
                 f"session {work.sid} was lost: its stored state is damaged ({exc}); open a new one"

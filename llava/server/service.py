@@ -129,7 +129,7 @@ class SessionService(Generic[StateT, TurnT]):
             reply = None
             if isinstance(work, Fetching) and work.image.done():
                 reply = self._image_arrived(request_id, work)
-            elif isinstance(work, Resuming) and work.data.done():
+            elif isinstance(work, Resuming) and work.ready():
                 reply = self._resumed(request_id, work)
             if reply is not None:
                 replies[request_id] = reply
@@ -194,7 +194,7 @@ class SessionService(Generic[StateT, TurnT]):
         reply = self._guard(lambda _: resumer.arrived(work, opener), None)
         if reply is not None:
             return reply
-        return self._guard(lambda item: self._admit(item, checked=work.check), work.item)
+        return self._guard(lambda item: self._admit(item, checked=True), work.item)
 
     def _rollback(self, request: Rollback) -> Reply:
         """Undo a session's last question and answer (a regenerate then reuses its cache)."""

@@ -108,6 +108,7 @@ class FencedObjects:
         key = self.object_key(sid)
         with self._lock:
             held = self._held.get(sid)
+        known = held.generation if held is not None else -1  # what this instance last saw
         for _ in range(WRITE_TRIES):
             data = seal(self._key, sid, sealed)
             try:
@@ -116,18 +117,13 @@ class FencedObjects:
                 found = self._find(sid)
                 if found is not None and found.data == data:  # our own write, answered late
                     etag = found.etag
-                elif (
-                    sealed.closed
-                    or not _newer(found, sealed.generation)
-                    or (found is None and held is None)
-                ):
-                    # older, damaged, or gone before a first write: ours stands (a close
-                    # always does), written over what is there now
+                elif sealed.closed or not _newer(found, known) or (found is None and held is None):
+                    # put back (not newer than what this instance saw), damaged, or gone
+                    # before a first write: ours stands (a close always does), written over it
                     held = _Held(found.etag, _generation(found)) if found else None
-                    if sealed.closed:
-                        sealed = Sealed(
-                            max(sealed.generation, held.generation + 1 if held else 0), b"", True
-                        )
+                    if sealed.closed and held is not None:
+                        generation = max(sealed.generation, held.generation + 1)
+                        sealed = Sealed(generation, b"", True)
                     self._replaced(sid, found)
                     continue
                 else:
@@ -140,35 +136,47 @@ class FencedObjects:
     def delete(self, sid: str) -> bool:
         """Delete `sid`'s object if it is still the one this instance holds; True if deleted."""
         with self._lock:
-            held = self._held.pop(sid, None)
+            held = self._held.get(sid)
         if held is None:
             return False  # never stored here, or another instance holds it now
         try:
             self.objects.delete(self.object_key(sid), if_match=held.etag)
         except Refused:
-            return False  # written since by another instance: it holds the session now
-        return True
+            deleted = False  # written since by another instance: it holds the session now
+        else:
+            deleted = True
+        self.forget(sid)  # after the call: a delete that failed is retried with the same ETag
+        return deleted
 
     def current(self, sid: str) -> bool:
         """Whether this instance's copy of `sid` is still the newest (one HEAD; a GET only when
         the object changed). False also when it moved, was closed or ended elsewhere."""
-        if self.take_moved(sid):
+        if self.moved(sid):
             return False
         with self._lock:
             held = self._held.get(sid)
         if held is None:
             return True  # never stored: this copy is the only one
-        if self.objects.etag(self.object_key(sid)) == held.etag:
+        etag = self.objects.etag(self.object_key(sid))
+        if etag in (held.etag, self._etag(sid)):  # ours (or our write that just landed)
             return True
         found = self._find(sid)
         if found is None or (found.sealed is not None and found.sealed.closed):
             return False
-        return not _newer(found, held.generation)  # an older or damaged copy: ours stands
+        if found.etag == self._etag(sid):
+            return True
+        return not _newer(found, held.generation)  # put back or damaged: ours stands
 
-    def take_moved(self, sid: str) -> bool:
-        """Whether a write of `sid` was refused for a newer copy since last asked (no I/O)."""
+    def moved(self, sid: str) -> bool:
+        """Whether a write of `sid` was refused for a newer copy (no I/O); it stays so until
+        this instance reads or writes the session again."""
         with self._lock:
-            return self._moved.pop(sid, False) is None
+            return sid in self._moved
+
+    def forget(self, sid: str) -> None:
+        """Stop holding `sid` (its object is not this instance's any more)."""
+        with self._lock:
+            self._held.pop(sid, None)
 
     # -- inside ----------------------------------------------------------------------------
     def _find(self, sid: str) -> _Found | None:
@@ -182,8 +190,14 @@ class FencedObjects:
             sealed = None
         return _Found(etag, data, sealed)
 
+    def _etag(self, sid: str) -> str | None:
+        with self._lock:
+            held = self._held.get(sid)
+        return held.etag if held is not None else None
+
     def _hold(self, sid: str, etag: str, generation: int) -> None:
         with self._lock:
+            self._moved.pop(sid, None)  # read or written again: current from here
             self._held.pop(sid, None)
             self._held[sid] = _Held(etag, generation)
             while len(self._held) > REMEMBERED:
@@ -224,11 +238,12 @@ def _closed(found: _Found) -> bool:
     return found.sealed is not None and found.sealed.closed
 
 
-def _newer(found: _Found | None, generation: int) -> bool:
-    """Whether the store's object beats a copy of `generation`: gone (ended elsewhere), closed,
-    or of the same or a later generation (written by another holder)."""
+def _newer(found: _Found | None, known: int) -> bool:
+    """Whether the store's object beats the copy this instance last saw at generation `known`
+    (-1: none): gone (ended elsewhere), closed, or of a later generation (written by another
+    holder). Not newer: put back (an older genuine object, or this one again) or damaged."""
     if found is None:
         return True
     if found.sealed is None:
         return False  # damaged: never a reason to drop a good copy
-    return found.sealed.closed or found.sealed.generation >= generation
+    return found.sealed.closed or found.sealed.generation > known

@@ -51,6 +51,7 @@ ATTEMPTS = 4  # tries of one write before it is given up (counted as a failure)
 MAX_READS = 64  # reads waiting or running at once; past it a resume is refused (503)
 PART_REFRESH_S = 12 * 3600.0  # a part written longer ago is written again with its session
 PARTS_REMEMBERED = 65_536  # parts whose last write this instance remembers
+CHECK_PAUSE_S = 30.0  # how long turns go unchecked after a check failed or came too late
 SETTLE_S = 30.0  # how long a read waits for this instance's own pending write of the session
 
 
@@ -130,6 +131,9 @@ class SharedStore:
         self._closed = False
         self._unreachable = False  # a start-up look-up failed (holds)
         self._readers = ThreadPoolExecutor(readers, thread_name_prefix="llava-store-read")
+        # checks have threads of their own: a slow resume never holds up a held session's turn
+        self._checkers = ThreadPoolExecutor(readers, thread_name_prefix="llava-store-check")
+        self._checks_off_until = 0.0  # after a failed or late check: turns answer unchecked
         self._writer = threading.Thread(target=self._run, name="llava-store-write", daemon=True)
         self._writer.start()
         log.info("sessions are kept in the shared store %s", location.uri)
@@ -203,13 +207,25 @@ class SharedStore:
         return self._readers.submit(self._read, sid)
 
     def check(self, sid: str) -> Future[bool]:
-        """Tell on a reader thread whether this instance's copy of `sid` is still the newest
-        (once its own pending write is done); False: drop it and resume from the store."""
-        return self._readers.submit(self._current, sid)
+        """Tell on a checker thread whether this instance's copy of `sid` is still the newest
+        (False: drop it and resume from the store). While the store fails or is slow
+        (`pause_checks`), answer True at once: the held copy answers, its write still fenced."""
+        if time.monotonic() < self._checks_off_until:
+            done: Future[bool] = Future()
+            done.set_result(True)
+            return done
+        return self._checkers.submit(self._current, sid)
+
+    def pause_checks(self) -> None:
+        """Skip checks for CHECK_PAUSE_S: a check failed or came too late."""
+        self._checks_off_until = time.monotonic() + CHECK_PAUSE_S
 
     def _current(self, sid: str) -> bool:
-        self._settle(sid)
-        return self.fenced.current(sid)
+        try:
+            return self.fenced.current(sid)
+        except Exception:
+            self.pause_checks()
+            raise
 
     def _settle(self, sid: str) -> None:
         deadline = time.monotonic() + SETTLE_S
@@ -298,6 +314,7 @@ class SharedStore:
             self._cond.notify_all()
         self._writer.join(timeout=5)
         self._readers.shutdown(wait=False, cancel_futures=True)
+        self._checkers.shutdown(wait=False, cancel_futures=True)
 
     # -- the writer thread -----------------------------------------------------------------
     def _queue(self, sid: str, write: _Write) -> None:

@@ -1147,6 +1147,9 @@ def test_the_session_store_gets_a_secret_that_an_update_keeps_and_a_delete_remov
     assert store_secret("", arn) == value  # what the worker reads at start (region from the ARN)
     tags = secrets.describe_secret(SecretId=arn)["Tags"]
     assert {"Key": "llava:endpoint", "Value": "chat"} in tags
+    secrets.delete_secret(SecretId=arn, RecoveryWindowInDays=7)  # someone scheduled it gone
+    assert ensure_store_secret(secrets, "chat", progress=said.append) == arn  # restored
+    assert secrets.get_secret_value(SecretId=arn)["SecretString"] == value
     assert delete_store_secret(secrets, "chat") and not delete_store_secret(secrets, "chat")
     with pytest.raises(ValueError, match="GetSecretValue"):
         store_secret("", arn)

@@ -10,6 +10,8 @@ the conversation as the store holds it.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -143,16 +145,21 @@ def test_an_older_object_put_back_is_written_over_or_refused(
     older = stored_object(s3_url, a, sid)
     texts.append(answered(a, sid, QUESTIONS[1])["text"])
     key = a.shared.object_key(sid)
+    replaced = a.shared.stats()["replaced"]
     raw(s3_url).put_object(Bucket=BUCKET, Key=key, Body=older)  # the replay
     texts.append(answered(a, sid, QUESTIONS[2])["text"])
     assert texts == reference.answers(picture, QUESTIONS[:3], TOKENS)
-    assert a.shared.stats()["replaced"] >= 1
+    assert a.shared.stats()["replaced"] == replaced + 1
     assert stored_object(s3_url, a, sid) != older
     raw(s3_url).put_object(Bucket=BUCKET, Key=key, Body=older)  # again, then A lets it go
     a.service.store.end(a.service.store.peek(sid), "evicted")
     with pytest.raises(CorruptSnapshot, match="older"):
         a.shared.fetch(sid).result(10)
-    del b
+    status, body = call(a, {"type": "close_session"}, sid)  # the user's close still wins
+    assert status == 200 and body["closed"], body
+    assert a.shared.flush(10)
+    with pytest.raises(ClosedInStore):
+        b.shared.fetch(sid).result(10)
 
 
 def test_the_store_fences_writes_by_generation(s3_url: str) -> None:  # noqa: F811
@@ -178,3 +185,66 @@ def test_the_store_fences_writes_by_generation(s3_url: str) -> None:  # noqa: F8
     assert here.fetch(sid).result(10) == b"three" and there.stats()["replaced"] == 1
     here.close()
     there.close()
+
+
+def test_a_stale_holder_further_along_never_overwrites_a_newer_copy(s3_url: str) -> None:  # noqa: F811
+    """A holds generation 1; B resumes it and writes 2; A answered two turns whose writes
+    never reached the store (an outage), so A's next write is generation 3: still stale, as
+    A never saw 2. Refused; A's copy stays marked moved until A reads the session again."""
+    here, there = shared(s3_url, "ahead"), shared(s3_url, "ahead")
+    sid = new_session_id()
+    here.save(sid, lambda: b"one", 1)
+    assert here.flush(10)
+    assert there.fetch(sid).result(10) == b"one"
+    there.save(sid, lambda: b"two", 2)
+    assert there.flush(10)
+    here.save(sid, lambda: b"three, from a stale copy", 3)
+    assert here.flush(10)
+    assert here.stats()["fenced"] == 1
+    assert there.fetch(sid).result(10) == b"two"
+    for _ in range(2):  # asked twice (a busy session is dropped only later): still moved
+        assert here.fenced.moved(sid) and here.check(sid).result(10) is False
+    assert here.fetch(sid).result(10) == b"two"  # read again: current from here on
+    assert not here.fenced.moved(sid) and here.check(sid).result(10) is True
+    here.close()
+    there.close()
+
+
+class Slow:
+    """A store whose look-ups hang until released (an outage that times out, not refuses)."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+        self.release = threading.Event()
+        self.lookups = 0
+
+    def etag(self, key: str) -> str | None:
+        self.lookups += 1
+        self.release.wait(30)
+        return self.real.etag(key)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+
+def test_a_slow_store_holds_a_turn_up_2_s_at_most_then_turns_go_unchecked(
+    tiny_checkpoint: Path,
+    tmp_path: Path,
+    s3_url: str,  # noqa: F811
+) -> None:
+    a = instance(tiny_checkpoint, tmp_path, s3_url, "slow")
+    sid, _ = opened(a, 85)
+    assert a.shared.flush(10)  # stored: from now on each turn checks the store first
+    slow = Slow(a.shared.fenced.objects)
+    a.shared.fenced.objects = slow
+    try:
+        started = time.monotonic()
+        answered(a, sid, QUESTIONS[0])  # its check hangs: answered from the held copy
+        waited = time.monotonic() - started
+        assert slow.lookups == 1 and 2.0 <= waited < 10, (slow.lookups, waited)
+        answered(a, sid, QUESTIONS[1])  # checks are paused a while: no look-up, no wait
+        assert slow.lookups == 1
+    finally:
+        slow.release.set()
+        a.service.close()
+        a.shared.close()

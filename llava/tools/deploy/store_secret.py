@@ -24,23 +24,26 @@ def secret_name(endpoint: str) -> str:
 def secret_arns(endpoint: str, role_arn: str, region: str) -> tuple[str, str]:
     """The ARN pattern the least policy grants (Secrets Manager appends six random characters
     to a secret's name), and one concrete ARN of it for IAM's policy simulator."""
-    account = role_arn.split(":")[4]
-    base = f"arn:aws:secretsmanager:{region}:{account}:secret:{secret_name(endpoint)}"
+    partition, account = role_arn.split(":")[1], role_arn.split(":")[4]
+    base = f"arn:{partition}:secretsmanager:{region}:{account}:secret:{secret_name(endpoint)}"
     return f"{base}-??????", f"{base}-AbCdEf"
 
 
 def ensure_store_secret(client: Any, endpoint: str, progress: Callable[[str], None] = print) -> str:
     """Make the endpoint's store secret (256 random bits), or keep the one an earlier deploy
-    made (sessions sealed with it stay readable across an update); return its ARN."""
+    made (sessions sealed with it stay readable across an update; one scheduled for deletion
+    is restored); return its ARN."""
     name = secret_name(endpoint)
     try:
-        arn = str(client.describe_secret(SecretId=name)["ARN"])
+        found = client.describe_secret(SecretId=name)
     except Exception as exc:
         if not is_missing(exc):
             raise
     else:
+        if found.get("DeletedDate"):
+            client.restore_secret(SecretId=name)
         progress(f"the session store keeps its secret {name}")
-        return arn
+        return str(found["ARN"])
     made = client.create_secret(
         Name=name,
         SecretString=secrets.token_urlsafe(32),

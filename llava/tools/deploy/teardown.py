@@ -145,8 +145,11 @@ def delete(
         if remove(sm.delete_model, f"model {model_name}", ModelName=model_name):
             done(f"model {model_name}")
 
-    if delete_store_secret(aws_client("secretsmanager", secrets_client, region), name):
-        done(f"secret {secret_name(name)}")
+    try:
+        if delete_store_secret(aws_client("secretsmanager", secrets_client, region), name):
+            done(f"secret {secret_name(name)}")
+    except Exception as exc:  # a caller without Secrets Manager rights: the rest still goes
+        progress(f"warning: could not delete the secret {secret_name(name)} ({exc})")
     if s3_uri:
         bucket, prefix = parse_s3_uri(s3_uri)
         count = delete_s3_prefix(s3_uri, s3_client=aws_client("s3", s3_client, region))
