@@ -373,12 +373,13 @@ class SharedStore:
                 self._counts["bytes_written"] += written
             sealed = Sealed(write.generation, cut.skeleton)
         size = self.fenced.write(sid, sealed)
+        held = sum(len(part) for part in cut.parts.values()) if not write.closed else 0
         with self._cond:
             self._dirty.discard(sid)
             if size is None or write.closed:  # stale here, or closed: not held here any more
                 self._bytes.pop(sid, None)
             else:
-                self._bytes[sid] = size
+                self._bytes[sid] = size + held  # its skeleton and its parts
             if size is not None:
                 self._counts["closes" if write.closed else "writes"] += 1
                 self._counts["bytes_written"] += size
