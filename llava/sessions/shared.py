@@ -5,7 +5,9 @@ that replaces every instance, a lost host. After an open and after each finished
 service hands `save` the engine's snapshot producer (references taken on the step thread); one
 writer thread serialises, seals (`sealed.py`) and uploads it. The queue holds at most one
 pending write per session (a newer snapshot replaces the one not yet written: only the latest
-matters) and at most `max_pending` sessions; past that the oldest pending write is dropped and
+matters) and at most `max_pending` sessions holding `max_pending_bytes` of state (a pending
+write keeps its session's state alive, even once closed); past either the oldest pending write
+is dropped and
 counted. Nothing here ever blocks the step thread, and a store that fails (an outage, missing
 permissions) costs only the writes, retried a few times and counted, never an answer: local
 snapshots still cover a restart.
@@ -63,6 +65,7 @@ class _Write:
     produce: Callable[[], bytes] | None  # None: a close, or a delete
     queued_at: float
     generation: int = 0  # the state's (its session's count of kept states)
+    nbytes: int = 0  # the state it keeps alive until written
     closed: bool = False  # a tombstone
     attempts: int = 0
 
@@ -100,6 +103,7 @@ class SharedStore:
         secret: str = "",
         verify_turns: bool = True,
         max_pending: int = 256,
+        max_pending_bytes: int = 1 << 30,
         readers: int = 4,
         retry_s: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
@@ -107,6 +111,7 @@ class SharedStore:
         self.location = location
         self.verify_turns = verify_turns
         self.max_pending = max_pending
+        self.max_pending_bytes = max_pending_bytes
         self.retry_s = retry_s
         self.part_min_bytes = parts.PART_MIN_BYTES
         self._parts: OrderedDict[str, float] = OrderedDict()  # digest -> written at (oldest first)
@@ -143,10 +148,12 @@ class SharedStore:
         return self.fenced.object_key(sid)
 
     # -- the step thread's side: never blocks on the network -------------------------------
-    def save(self, sid: str, produce: Callable[[], bytes], generation: int) -> None:
-        """Queue the latest snapshot of `sid`, its `generation`-th kept state (replacing one
-        not yet written)."""
-        self._queue(sid, _Write(produce, self._clock(), generation))
+    def save(
+        self, sid: str, produce: Callable[[], bytes], generation: int, nbytes: int = 0
+    ) -> None:
+        """Queue the latest snapshot of `sid`, its `generation`-th kept state of `nbytes`
+        (replacing one not yet written)."""
+        self._queue(sid, _Write(produce, self._clock(), generation, nbytes))
 
     def remove(self, sid: str, reason: str) -> None:
         """Queue the deletion of `sid`'s object for a session that ended for `reason`."""
@@ -324,7 +331,12 @@ class SharedStore:
             self._pending.pop(sid, None)  # only the latest state of a session matters
             self._pending[sid] = write
             puts = [s for s, w in self._pending.items() if w.produce is not None]
-            for old in puts[: max(0, len(self._pending) - self.max_pending)]:
+            held = sum(self._pending[s].nbytes for s in puts)
+            over = max(0, len(self._pending) - self.max_pending)
+            for n, old in enumerate(puts[:-1]):  # never the newest: one state always goes
+                if n >= over and held <= self.max_pending_bytes:
+                    break
+                held -= self._pending[old].nbytes
                 del self._pending[old]  # deletions are never dropped: a closed chat must go
                 self._dirty.add(old)
                 self._counts["dropped"] += 1

@@ -125,6 +125,29 @@ def test_only_the_latest_state_of_a_session_waits_and_the_queue_is_bounded(s3_ur
     store.close()
 
 
+def test_pending_writes_are_bounded_by_the_bytes_they_keep_alive(s3_url: str) -> None:
+    store = shared(s3_url, "bytes", max_pending_bytes=1_000)
+    gate, busy = threading.Event(), threading.Event()
+
+    def slow() -> bytes:
+        busy.set()
+        gate.wait(10)
+        return b"first"
+
+    a, b, c = (new_session_id() for _ in range(3))
+    store.save(a, slow, 1, 10)
+    assert busy.wait(10)  # the writer is held: the rest wait
+    store.save(b, lambda: b"b", 1, 600)
+    store.save(c, lambda: b"c", 1, 600)  # 1,200 bytes kept alive: b's write goes
+    assert store.stats()["dropped"] == 1 and store.dirty() == {b}
+    gate.set()
+    assert store.flush(10)
+    with pytest.raises(NotStored):
+        store.fetch(b).result(10)
+    assert store.fetch(c).result(10) == b"c"
+    store.close()
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "empty", "other-session", "foreign"])
 def test_a_damaged_moved_or_foreign_object_is_refused(s3_url: str, damage: str) -> None:
     store = shared(s3_url, "damage")
