@@ -29,7 +29,7 @@ S3_URI         ?=
 ECR_REPOSITORY ?=
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: help venv venv-vllm dev archive serve stop chat test test-ray test-images test-vllm test-vllm-integration test-gpu bench-gpu lint clean bench build-and-push deploy delete local-endpoint stress
+.PHONY: help venv venv-vllm dev archive serve stop chat test test-ray test-images test-vllm test-vllm-integration test-gpu bench-gpu lint clean bench build-and-push deploy delete local-endpoint stress chaos
 
 help:
 	@echo "make serve   serve MODEL=$(MODEL) on 127.0.0.1:8080 with TorchServe (FRONT=ray: Ray Serve, REPLICAS=N; ENGINE=vllm|transformers)"
@@ -204,6 +204,13 @@ stress: venv
 	LLAVA_SOAK_CYCLES=$(STRESS_CYCLES) LLAVA_STRESS_SESSIONS=$(STRESS_SESSIONS) \
 		$(BIN)/python -m pytest -q -s -p no:cacheprovider \
 		tests/integration/test_soak.py tests/integration/test_load.py
+
+# The shared store under churn: 16 conversations on two TorchServes while instances are stopped,
+# killed and replaced at random (tests/integration/test_store_chaos.py; `make test` runs 60 s).
+CHAOS_S ?= 600
+chaos: venv
+	LLAVA_CHAOS_S=$(CHAOS_S) $(BIN)/python -m pytest -q -s -p no:cacheprovider \
+		tests/integration/test_store_chaos.py
 
 build-and-push:
 	FRONT=$(FRONT) ./build_and_push.sh $(REPOSITORY) $(TAG)
