@@ -3,7 +3,8 @@
 A snapshot is a safetensors file: a JSON header, then each array's bytes. Its large arrays are
 a session's pictures (vLLM: their PNGs) or their features (transformers: 4.7 MB per picture
 for a 7B); they never change after the picture is added, while the conversation around them
-changes every turn. So the shared store writes each large array once, as an object named by
+changes every turn. So the shared store (and the local snapshot directory) writes each large
+array once, as an object named by
 its content (SHA-256), and each turn writes only the *skeleton*: the snapshot with those byte
 ranges cut out and a list of where they go. Reading joins them back and checks every part
 against its digest, so a swapped or damaged part is refused like a damaged snapshot.
@@ -19,12 +20,14 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from llava.sessions.snapshots import CorruptSnapshot
-
 PART_MIN_BYTES = 64 * 1024  # arrays at least this large are stored once, by content
 _MAGIC = b"LLSK\x01"
 _LENGTH = struct.Struct("<I")
 _HEADER_LENGTH = struct.Struct("<Q")
+
+
+class CorruptSnapshot(ValueError):
+    """A snapshot (or a part of one) that is torn, altered or not one of ours."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,11 @@ def split(data: bytes, min_bytes: int = PART_MIN_BYTES) -> Split:
     kept.append(data[at:])
     index = json.dumps(refs, separators=(",", ":")).encode()
     return Split(_MAGIC + _LENGTH.pack(len(index)) + index + b"".join(kept), parts)
+
+
+def digests(skeleton: bytes) -> list[str]:
+    """The digests of the parts a skeleton refers to."""
+    return [str(ref[2]) for ref in _index(skeleton)[0]]
 
 
 def join(skeleton: bytes, part: Callable[[str], bytes]) -> bytes:

@@ -333,8 +333,9 @@ class SharedStore:
             puts = [s for s, w in self._pending.items() if w.produce is not None]
             held = sum(self._pending[s].nbytes for s in puts)
             over = max(0, len(self._pending) - self.max_pending)
-            for n, old in enumerate(puts[:-1]):  # never the newest: one state always goes
-                if n >= over and held <= self.max_pending_bytes:
+            for n, old in enumerate(puts):
+                # past the count, the oldest go; past the bytes too, but never the one queued
+                if n >= over and (held <= self.max_pending_bytes or old == sid):
                     break
                 held -= self._pending[old].nbytes
                 del self._pending[old]  # deletions are never dropped: a closed chat must go

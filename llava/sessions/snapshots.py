@@ -12,14 +12,18 @@ expired, evicted). A disk budget bounds the directory: past it, the snapshots wr
 ago go first, and those sessions would answer `session_lost` after a restart.
 
 Each file starts with the SHA-256 of the rest, so a torn or corrupt file is refused on reading
-and costs that one session only. A fresh worker lists the files, restores the sessions its
-session registry says an earlier worker left open, and deletes the rest.
+and costs that one session only. A snapshot's pictures (or their features) are written once, to
+`parts/<SHA-256>` (`parts.py`), shared by every turn of the session and counted by the sessions
+that use them: each turn writes the rest (a few KB), and a part goes with its last session.
+A fresh worker lists the files, restores the sessions its session registry says an earlier
+worker left open, and deletes the rest.
 
 Pure: no torch; what a snapshot holds is each engine's business (`llava/engines/*/`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -27,12 +31,13 @@ import shutil
 import tempfile
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
 from llava.core.ids import is_valid_session_id
+from llava.sessions.parts import CorruptSnapshot, digests, join, split
 from llava.sessions.registry import safe_name
 from llava.sessions.session import EXPIRED, LOST
 from llava.sessions.store import SessionStore
@@ -40,11 +45,8 @@ from llava.sessions.store import SessionStore
 log = logging.getLogger(__name__)
 
 SUFFIX = ".snap"
+PARTS = "parts"  # the pictures (or features) of the snapshots, one file each, by content
 _DIGEST = hashlib.sha256().digest_size
-
-
-class CorruptSnapshot(ValueError):
-    """A snapshot file that is torn, altered or not one of ours."""
 
 
 class SnapshotDir:
@@ -56,6 +58,10 @@ class SnapshotDir:
         self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(self.path, 0o700)
         self._sizes: OrderedDict[str, int] = OrderedDict()  # written longest ago first
+        self._parts = self.path / PARTS
+        self._parts.mkdir(mode=0o700, exist_ok=True)
+        self._refs: dict[str, frozenset[str]] = {}  # session -> its parts (writer thread)
+        self._users: Counter[str] = Counter()  # part -> sessions using it
         self._lock = threading.Lock()
         # what waits, per session (latest only: a newer save or a removal replaces it), oldest
         # first, so the queue never holds more than one entry per session
@@ -126,12 +132,26 @@ class SnapshotDir:
                 ids.append(sid)
                 with self._lock:
                     self._sizes[sid] = entry.stat().st_size
-            else:  # a temporary file a dead worker left half-written
+                with contextlib.suppress(CorruptSnapshot):  # refused when read: its own loss
+                    self._use(sid, digests(self._skeleton(sid)))
+            elif entry != self._parts:  # a temporary file a dead worker left half-written
                 _unlink(entry)
+        for part in self._parts.iterdir():  # parts no snapshot uses, or half-written
+            if part.name not in self._users:
+                _unlink(part)
         return ids
 
     def read(self, sid: str) -> bytes:
         """Return the payload of `sid`'s snapshot, or raise `CorruptSnapshot`."""
+        return join(self._skeleton(sid), self._part)
+
+    def _part(self, digest: str) -> bytes:
+        try:
+            return (self._parts / digest).read_bytes()
+        except OSError as exc:
+            raise CorruptSnapshot(f"a picture of the snapshot is missing: {exc}") from exc
+
+    def _skeleton(self, sid: str) -> bytes:
         try:
             data = (self.path / (sid + SUFFIX)).read_bytes()
         except OSError as exc:
@@ -168,15 +188,15 @@ class SnapshotDir:
                     self._cond.notify_all()
 
     def _write(self, sid: str, produce: Callable[[], bytes]) -> None:
-        payload = produce()
-        tmp = self.path / f".{sid}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as out:
-            out.write(hashlib.sha256(payload).digest())
-            out.write(payload)
-        os.replace(tmp, self.path / (sid + SUFFIX))
+        cut = split(produce())
+        for digest, data in cut.parts.items():  # before the skeleton that refers to them
+            if not (self._parts / digest).exists():
+                _write_atomically(self._parts / digest, [data])
+        payload = cut.skeleton
+        _write_atomically(self.path / (sid + SUFFIX), [hashlib.sha256(payload).digest(), payload])
+        self._use(sid, cut.parts)
         with self._lock:
-            self._sizes[sid] = _DIGEST + len(payload)
+            self._sizes[sid] = _DIGEST + len(payload) + sum(map(len, cut.parts.values()))
             self._sizes.move_to_end(sid)
             over = sum(self._sizes.values()) - self.budget_bytes
             victims = []
@@ -198,6 +218,19 @@ class SnapshotDir:
         with self._lock:
             self._sizes.pop(sid, None)
         _unlink(self.path / (sid + SUFFIX))
+        self._use(sid, [])
+
+    def _use(self, sid: str, parts: Iterable[str]) -> None:
+        """Record the parts `sid`'s snapshot uses now; delete those no snapshot uses any more."""
+        new, old = frozenset(parts), self._refs.pop(sid, frozenset())
+        if new:
+            self._refs[sid] = new
+        self._users.update(new - old)
+        for digest in old - new:
+            self._users[digest] -= 1
+            if self._users[digest] <= 0:
+                del self._users[digest]
+                _unlink(self._parts / digest)
 
 
 class Resumer(Protocol):
@@ -277,6 +310,16 @@ def _mtime(entry: Path) -> float:
         return entry.stat().st_mtime
     except OSError:
         return 0.0
+
+
+def _write_atomically(path: Path, chunks: list[bytes]) -> None:
+    """Write a file readable by the worker's user only, whole or not at all."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        for chunk in chunks:
+            out.write(chunk)
+    os.replace(tmp, path)
 
 
 def _unlink(path: Path) -> None:

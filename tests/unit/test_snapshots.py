@@ -12,14 +12,16 @@ import stat
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from helpers import Reference, make_image
+from safetensors.numpy import save as save_arrays
 
 from llava.core.config import ServerConfig
 from llava.core.ids import new_session_id
 from llava.core.params import GenerationParams
 from llava.engines.transformers import LlavaEngine, Tier
-from llava.sessions.snapshots import SUFFIX, CorruptSnapshot, SnapshotDir, recover
+from llava.sessions.snapshots import PARTS, SUFFIX, CorruptSnapshot, SnapshotDir, recover
 from llava.sessions.store import SessionStore
 
 GREEDY = GenerationParams(max_new_tokens=8)
@@ -50,7 +52,7 @@ def test_a_snapshot_is_written_privately_and_read_back(snaps: SnapshotDir) -> No
     assert snaps.read(sid) == b"payload"
     assert snaps.size_of(sid) == path.stat().st_size
     assert snaps.stats() == {"snapshots": 1, "bytes": path.stat().st_size}
-    assert [p.name for p in snaps.path.iterdir()] == [path.name]  # no temporary file left
+    assert entries(snaps.path) == [path.name]  # no temporary file left
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "empty"])
@@ -104,13 +106,15 @@ def test_a_disk_behind_holds_one_waiting_snapshot_per_session(snaps: SnapshotDir
 
 
 def test_past_the_disk_budget_the_oldest_snapshots_go(tmp_path: Path) -> None:
-    snaps = SnapshotDir(tmp_path / "s", budget_bytes=3 * (32 + 100))
+    snaps = SnapshotDir(tmp_path / "s", budget_bytes=10**9)
     try:
         ids = [new_session_id() for _ in range(5)]
+        written(snaps, ids[0], b"y" * 100)
+        snaps.budget_bytes = 3 * snaps.size_of(ids[0])  # room for three
         for sid in ids:
             written(snaps, sid, b"y" * 100)
         written(snaps, ids[0], b"y" * 100)  # written again: now the newest
-        kept = sorted(p.name.removesuffix(SUFFIX) for p in snaps.path.iterdir())
+        kept = sorted(p.removesuffix(SUFFIX) for p in entries(snaps.path))
         assert kept == sorted([ids[0], ids[3], ids[4]])
         assert snaps.stats()["bytes"] <= snaps.budget_bytes
     finally:
@@ -138,7 +142,7 @@ def test_a_restart_lists_snapshots_and_clears_half_written_files(tmp_path: Path)
     second = SnapshotDir(tmp_path / "s", budget_bytes=1 << 20)
     try:
         assert second.found() == [sid]
-        assert sorted(p.name for p in second.path.iterdir()) == [sid + SUFFIX]
+        assert entries(second.path) == [sid + SUFFIX]
     finally:
         second.close()
 
@@ -271,7 +275,7 @@ def test_recovery_restores_what_was_left_open_and_nothing_else(snaps: SnapshotDi
         store.get(expired)
     assert caught.value.code == "session_expired"
     assert engine.released == 1
-    assert sorted(p.name for p in snaps.path.iterdir()) == [kept + SUFFIX]
+    assert entries(snaps.path) == [kept + SUFFIX]
 
 
 def test_a_restored_session_expires_when_its_idle_time_runs_out(snaps: SnapshotDir) -> None:
@@ -332,3 +336,44 @@ def test_real_snapshots_damaged_in_each_way_cost_only_their_own_sessions(
     assert counts == {"restored": 1, "expired": 0, "corrupt": len(damaged), "lost": 0}
     restored = store.get(good)
     assert ask(engine, restored.state, PROMPTS[1])  # the good one answers
+
+
+def entries(path: Path) -> list[str]:
+    """The snapshot directory's files, beside its folder of parts."""
+    return sorted(p.name for p in path.iterdir() if p.name != PARTS)
+
+
+def with_picture(seed: int, turns: int) -> bytes:
+    """A snapshot as an engine writes one: a big picture array, then the conversation's ids."""
+    rng = np.random.default_rng(seed)
+    arrays = {
+        "image.0": rng.integers(0, 255, 100_000, dtype=np.uint8),
+        "ids": np.arange(10 * turns, dtype=np.int32),
+    }
+    return bytes(save_arrays(arrays))
+
+
+def test_a_picture_is_written_once_shared_and_goes_with_its_last_session(tmp_path: Path) -> None:
+    snaps = SnapshotDir(tmp_path / "snaps", 10**9)
+    a, b = new_session_id(), new_session_id()
+    for turn in range(1, 4):  # three turns of a: one picture file, a small snapshot file
+        snaps.save(a, lambda turn=turn: with_picture(1, turn))
+        snaps.flush()
+    [part] = (snaps.path / PARTS).iterdir()
+    assert part.stat().st_size == 100_000 and (snaps.path / (a + SUFFIX)).stat().st_size < 2_000
+    assert snaps.read(a) == with_picture(1, 3)
+    snaps.save(b, lambda: with_picture(1, 1))  # the same picture in another session
+    snaps.flush()
+    assert list((snaps.path / PARTS).iterdir()) == [part]
+    snaps.remove(a)
+    snaps.flush()
+    assert part.exists() and snaps.read(b) == with_picture(1, 1)  # b still uses it
+    (snaps.path / PARTS / ("0" * 64)).write_bytes(b"a part no snapshot uses")
+    snaps.close()
+    again = SnapshotDir(snaps.path, 10**9)  # a restarted worker: orphans go, used parts stay
+    assert again.found() == [b] and [p.name for p in (snaps.path / PARTS).iterdir()] == [part.name]
+    assert again.read(b) == with_picture(1, 1)
+    again.remove(b)
+    again.flush()
+    assert list((snaps.path / PARTS).iterdir()) == []
+    again.close()
