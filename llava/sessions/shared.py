@@ -13,9 +13,7 @@ permissions) costs only the writes, retried a few times and counted, never an an
 snapshots still cover a restart.
 
 Each snapshot's large arrays (pictures, or their features) are written once, as objects named
-by their content (`parts.py`); each turn writes the rest, a few KB. A part this instance wrote
-is written again only after PART_REFRESH_S, so the lifecycle rule that removes orphans (the TTL
-plus a day after the last write) never removes one a live session still refers to.
+by their content (`parts.py`, `stored_parts.py`); each turn writes the rest, a few KB.
 
 Reading happens on reader threads (`fetch` returns a future): a request for a session this
 instance does not hold waits for it like an image, never stalling other streams.
@@ -41,18 +39,16 @@ from dataclasses import dataclass
 
 from llava.core.errors import StoreUnavailable
 from llava.sessions import parts
-from llava.sessions.fenced import MAX_OBJECT_BYTES, FencedObjects
+from llava.sessions.fenced import FencedObjects
 from llava.sessions.objects import ObjectStore, StoreLocation
 from llava.sessions.sealed import Sealed, store_key
 from llava.sessions.session import CLOSED, EVICTED
-from llava.sessions.snapshots import CorruptSnapshot
+from llava.sessions.stored_parts import StoredParts
 
 log = logging.getLogger(__name__)
 
 ATTEMPTS = 4  # tries of one write before it is given up (counted as a failure)
 MAX_READS = 64  # reads waiting or running at once; past it a resume is refused (503)
-PART_REFRESH_S = 12 * 3600.0  # a part written longer ago is written again with its session
-PARTS_REMEMBERED = 65_536  # parts whose last write this instance remembers
 CHECK_PAUSE_S = 30.0  # how long turns go unchecked after a check failed or came too late
 SETTLE_S = 30.0  # how long a read waits for this instance's own pending write of the session
 
@@ -114,8 +110,8 @@ class SharedStore:
         self.max_pending_bytes = max_pending_bytes
         self.retry_s = retry_s
         self.part_min_bytes = parts.PART_MIN_BYTES
-        self._parts: OrderedDict[str, float] = OrderedDict()  # digest -> written at (oldest first)
         self.fenced = FencedObjects(objects, location, store_key(location.uri, secret))
+        self.parts = StoredParts(self.fenced)
         self._clock = clock
         self._pending: OrderedDict[str, _Write] = OrderedDict()  # oldest first
         self._busy: tuple[str, _Write] | None = None  # the write in progress
@@ -124,7 +120,6 @@ class SharedStore:
         self._counts = {
             "writes": 0,
             "bytes_written": 0,  # snapshots' skeletons and parts, tombstones
-            "parts_written": 0,
             "closes": 0,
             "deletes": 0,
             "failures": 0,
@@ -193,6 +188,7 @@ class SharedStore:
             return {
                 **self._counts,
                 **self.fenced.counts,
+                "parts_written": self.parts.written,
                 "pending": len(self._pending) + (self._busy is not None),
                 "lag_s": round(lag, 3),
                 "objects": len(self._bytes),  # sessions whose latest state this instance wrote
@@ -252,37 +248,10 @@ class SharedStore:
 
     def _get(self, sid: str) -> bytes:
         skeleton = self.fenced.read(sid).payload  # held from now: its next write is fenced
-        payload = parts.join(skeleton, self._part)
+        payload = parts.join(skeleton, self.parts.read)
         with self._cond:
             self._counts["resumes"] += 1
         return payload
-
-    def _part(self, digest: str) -> bytes:
-        stored = self.fenced.objects.get(self.fenced.part_key(digest), MAX_OBJECT_BYTES)
-        if stored is None:
-            raise CorruptSnapshot(
-                f"a picture of the stored session ({digest[:12]}) is no longer in the store"
-            )
-        return stored[0]
-
-    def _write_parts(self, found: dict[str, bytes]) -> int:
-        """Write the parts this instance did not write lately; return the bytes written."""
-        written = 0
-        for digest, data in found.items():
-            with self._cond:
-                at = self._parts.get(digest)
-            if at is not None and time.monotonic() - at < PART_REFRESH_S:
-                continue
-            key = self.fenced.part_key(digest)
-            self.fenced.objects.put(key, data, if_match=None, always=True)  # same bytes, by name
-            with self._cond:
-                self._parts.pop(digest, None)
-                self._parts[digest] = time.monotonic()
-                while len(self._parts) > PARTS_REMEMBERED:
-                    self._parts.popitem(last=False)
-                self._counts["parts_written"] += 1
-            written += len(data)
-        return written
 
     def holds(self, sid: str) -> bool:
         """Tell whether the store has an object for `sid` (blocking: start-up only); False if
@@ -381,7 +350,7 @@ class SharedStore:
         else:
             assert write.produce is not None
             cut = parts.split(write.produce(), self.part_min_bytes)
-            written = self._write_parts(cut.parts)  # before the skeleton that refers to them
+            written = self.parts.write(cut.parts)  # before the skeleton that refers to them
             with self._cond:
                 self._counts["bytes_written"] += written
             sealed = Sealed(write.generation, cut.skeleton)
