@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from test_shared_store import (  # noqa: F401 (fixtures)
     ask,
     call,
     instance,
+    pair,
     raw,
     reference,
     s3_url,
@@ -33,21 +33,23 @@ from test_shared_store import (  # noqa: F401 (fixtures)
 
 from llava.core.ids import new_session_id
 from llava.sessions.fenced import ClosedInStore
+from llava.sessions.shared import SharedStore
 from llava.sessions.snapshots import CorruptSnapshot
 
 QUESTIONS = [*PROMPTS, "What shape is it?"]
 STALE = "A question from a stale copy"
 
 
-@pytest.fixture(scope="module")
-def pair(tiny_checkpoint: Path, tmp_path_factory: Any, s3_url: str) -> Iterator[tuple[Any, Any]]:  # noqa: F811
-    tmp = tmp_path_factory.mktemp("fenced")
-    a = instance(tiny_checkpoint, tmp, s3_url, "a")
-    b = instance(tiny_checkpoint, tmp, s3_url, "b")
-    yield a, b
-    for inst in (a, b):
-        inst.service.close()
-        inst.shared.close()
+def moved_on(s3: str, prefix: str) -> tuple[SharedStore, SharedStore, str]:
+    """`here` wrote a session's first state; `there` resumed it and wrote its second."""
+    here, there = shared(s3, prefix), shared(s3, prefix)
+    sid = new_session_id()
+    here.save(sid, lambda: b"one", 1)
+    assert here.flush(10)
+    assert there.fetch(sid).result(10) == b"one"
+    there.save(sid, lambda: b"two", 2)
+    assert there.flush(10)
+    return here, there, sid
 
 
 def opened(inst: Any, seed: int) -> tuple[str, Any]:
@@ -70,7 +72,7 @@ def stored_object(s3: str, inst: Any, sid: str) -> bytes:
 
 
 def test_a_stale_holder_never_answers_and_resumes_the_newer_turns(
-    pair: tuple[Any, Any],
+    pair: tuple[Any, Any],  # noqa: F811
     reference: Reference,  # noqa: F811
 ) -> None:
     """Answer on A; resume on B and answer twice; answer on A again: A's copy is a turn old,
@@ -132,7 +134,7 @@ def test_a_close_wins_over_any_stale_write(pair: tuple[Any, Any], s3_url: str) -
 
 
 def test_an_older_object_put_back_is_written_over_or_refused(
-    pair: tuple[Any, Any],
+    pair: tuple[Any, Any],  # noqa: F811
     s3_url: str,  # noqa: F811
     reference: Reference,  # noqa: F811
 ) -> None:
@@ -165,13 +167,7 @@ def test_an_older_object_put_back_is_written_over_or_refused(
 def test_the_store_fences_writes_by_generation(s3_url: str) -> None:  # noqa: F811
     """At the store's level: a stale holder's write is refused and its copy reported moved;
     a newer one's goes in; an object damaged under a holder is written over."""
-    here, there = shared(s3_url, "gens"), shared(s3_url, "gens")
-    sid = new_session_id()
-    here.save(sid, lambda: b"one", 1)
-    assert here.flush(10)
-    assert there.fetch(sid).result(10) == b"one"
-    there.save(sid, lambda: b"two", 2)
-    assert there.flush(10)
+    here, there, sid = moved_on(s3_url, "gens")
     assert here.check(sid).result(10) is False  # another instance wrote since
     here.save(sid, lambda: b"two, from a stale copy", 2)
     assert here.flush(10)
@@ -191,13 +187,7 @@ def test_a_stale_holder_further_along_never_overwrites_a_newer_copy(s3_url: str)
     """A holds generation 1; B resumes it and writes 2; A answered two turns whose writes
     never reached the store (an outage), so A's next write is generation 3: still stale, as
     A never saw 2. Refused; A's copy stays marked moved until A reads the session again."""
-    here, there = shared(s3_url, "ahead"), shared(s3_url, "ahead")
-    sid = new_session_id()
-    here.save(sid, lambda: b"one", 1)
-    assert here.flush(10)
-    assert there.fetch(sid).result(10) == b"one"
-    there.save(sid, lambda: b"two", 2)
-    assert there.flush(10)
+    here, there, sid = moved_on(s3_url, "ahead")
     here.save(sid, lambda: b"three, from a stale copy", 3)
     assert here.flush(10)
     assert here.stats()["fenced"] == 1

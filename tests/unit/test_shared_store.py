@@ -97,8 +97,9 @@ def test_a_saved_state_is_sealed_in_the_bucket_and_read_back(s3_url: str) -> Non
     store.close()
 
 
-def test_only_the_latest_state_of_a_session_waits_and_the_queue_is_bounded(s3_url: str) -> None:
-    store = shared(s3_url, "queue", max_pending=2)
+def hold_writer(store: SharedStore, sid: str) -> threading.Event:
+    """Queue `sid`'s state and hold the writer on it (the rest queue behind) until the
+    returned gate is set; the state is b"first"."""
     gate, busy = threading.Event(), threading.Event()
 
     def slow() -> bytes:
@@ -106,9 +107,15 @@ def test_only_the_latest_state_of_a_session_waits_and_the_queue_is_bounded(s3_ur
         gate.wait(10)
         return b"first"
 
+    store.save(sid, slow, 1, 10)
+    assert busy.wait(10)
+    return gate
+
+
+def test_only_the_latest_state_of_a_session_waits_and_the_queue_is_bounded(s3_url: str) -> None:
+    store = shared(s3_url, "queue", max_pending=2)
     a, b, c, d = (new_session_id() for _ in range(4))
-    store.save(a, slow, 1)
-    assert busy.wait(10)  # the writer is held on a's state: the rest queue behind it
+    gate = hold_writer(store, a)
     store.save(b, lambda: b"b-old", 1)
     store.save(b, lambda: b"b-new", 2)  # replaces b's pending write
     assert store.stats()["pending"] == 2
@@ -127,16 +134,8 @@ def test_only_the_latest_state_of_a_session_waits_and_the_queue_is_bounded(s3_ur
 
 def test_pending_writes_are_bounded_by_the_bytes_they_keep_alive(s3_url: str) -> None:
     store = shared(s3_url, "bytes", max_pending_bytes=1_000)
-    gate, busy = threading.Event(), threading.Event()
-
-    def slow() -> bytes:
-        busy.set()
-        gate.wait(10)
-        return b"first"
-
     a, b, c = (new_session_id() for _ in range(3))
-    store.save(a, slow, 1, 10)
-    assert busy.wait(10)  # the writer is held: the rest wait
+    gate = hold_writer(store, a)
     store.save(b, lambda: b"b", 1, 600)
     store.save(c, lambda: b"c", 1, 600)  # 1,200 bytes kept alive: b's write goes
     assert store.stats()["dropped"] == 1 and store.dirty() == {b}
