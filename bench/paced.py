@@ -103,6 +103,9 @@ class PacedEngine:
     def resume(self, data: bytes) -> tuple[PacedState, dict[str, Any]]:
         raise ValueError("the paced engine keeps no snapshots")
 
+    def adopt(self, state: PacedState) -> None:
+        raise AssertionError("the paced engine resumes nothing")
+
     def offload(self, state: PacedState) -> int:
         return 0
 

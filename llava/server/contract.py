@@ -97,8 +97,12 @@ class Engine(Protocol[StateT, TurnT]):
         ...
 
     def resume(self, data: bytes) -> tuple[StateT, dict[str, Any]]:
-        """Rebuild a session and its `extra` from a snapshot; ValueError if it is not one of
-        this model's."""
+        """Rebuild a session and its `extra` from a snapshot, on any thread (a reader's: the
+        step loop never parses one); ValueError if it is not one of this model's."""
+        ...
+
+    def adopt(self, state: StateT) -> None:
+        """Take a state `resume` built into the engine's own books, on the step thread."""
         ...
 
     def start_turn(

@@ -171,9 +171,10 @@ class SessionResumer(Generic[StateT, TurnT]):
     ) -> Resuming:
         """Start reading `sid`'s state (on a reader thread); refuse at once when this instance
         could not make room for another session (it makes it once the state is read)."""
-        if not close:
-            self.store.make_room(evict=False)
-        return Resuming(sid, self.shared.fetch(sid), item, explicit, close)
+        if close:  # read to find it exists, never rebuilt
+            return Resuming(sid, self.shared.fetch(sid), item, explicit, close)
+        self.store.make_room(evict=False)
+        return Resuming(sid, self.shared.fetch_then(sid, self.engine.resume), item, explicit)
 
     def finish(self, work: Resuming) -> Session | None:
         """Restore a session whose state has been read (None for a close: its stored state is
@@ -200,6 +201,12 @@ class SessionResumer(Generic[StateT, TurnT]):
             ) from None
         except StoreUnavailable:
             raise
+        except ValueError as exc:  # the engine's: another model's, or not a snapshot
+            log.warning("session %s cannot be resumed from the store: %s", work.sid, exc)
+            raise SessionLost(
+                f"session {work.sid} was lost: its stored state cannot be used here ({exc}); "
+                "open a new one"
+            ) from None
         except Exception as exc:  # the store is down, or refuses us: the session may be fine
             log.warning("session %s: the shared store cannot be read: %s", work.sid, exc)
             raise StoreUnavailable(
@@ -209,14 +216,8 @@ class SessionResumer(Generic[StateT, TurnT]):
             self.shared.remove(work.sid, CLOSED)
             self.store.load_tombstones([work.sid], CLOSED)
             return None
-        try:
-            state, extra = self.engine.resume(data)
-        except ValueError as exc:  # another model's, or not a snapshot: this session only
-            log.warning("session %s cannot be resumed from the store: %s", work.sid, exc)
-            raise SessionLost(
-                f"session {work.sid} was lost: its stored state cannot be used here ({exc}); "
-                "open a new one"
-            ) from None
+        state, extra = data  # rebuilt on the reader thread
+        self.engine.adopt(state)
         expires_at = float(extra.get("expires_at", 0))
         if expires_at <= self._wall_clock():
             self.engine.release(state)

@@ -36,6 +36,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 from llava.core.errors import StoreUnavailable
 from llava.sessions import parts
@@ -46,6 +47,7 @@ from llava.sessions.session import CLOSED, EVICTED
 from llava.sessions.stored_parts import StoredParts
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 ATTEMPTS = 4  # tries of one write before it is given up (counted as a failure)
 MAX_READS = 64  # reads waiting or running at once; past it a resume is refused (503)
@@ -198,16 +200,20 @@ class SharedStore:
     # -- readers ---------------------------------------------------------------------------
     def fetch(self, sid: str) -> Future[bytes]:
         """Read `sid`'s snapshot on a reader thread: the bytes, or NotStored, ClosedInStore,
-        CorruptSnapshot (damaged, or older than the copy this instance held).
-        Refuses (StoreUnavailable) while MAX_READS reads wait already: a flood of unknown ids
-        must not hold up real resumes behind it."""
+        CorruptSnapshot (damaged, or older than the copy this instance held)."""
+        return self.fetch_then(sid, bytes)
+
+    def fetch_then(self, sid: str, then: Callable[[bytes], T]) -> Future[T]:
+        """Read `sid`'s snapshot and pass it to `then` (an engine's `resume`), both on a reader
+        thread, so the step loop is handed a ready state. Refuses (StoreUnavailable) while
+        MAX_READS reads wait already: a flood of unknown ids must not hold up real resumes."""
         with self._cond:
             if self._reads >= MAX_READS:
                 raise StoreUnavailable(
                     f"{self._reads} session-store reads are waiting; retry shortly"
                 )
             self._reads += 1
-        return self._readers.submit(self._read, sid)
+        return self._readers.submit(self._read, sid, then)
 
     def check(self, sid: str) -> Future[bool]:
         """Tell on a checker thread whether this instance's copy of `sid` is still the newest
@@ -238,10 +244,10 @@ class SharedStore:
             ) and time.monotonic() < deadline:
                 self._cond.wait(deadline - time.monotonic())
 
-    def _read(self, sid: str) -> bytes:
+    def _read(self, sid: str, then: Callable[[bytes], T]) -> T:
         try:
             self._settle(sid)  # this instance's own newer state first (an evicted session's)
-            return self._get(sid)
+            return then(self._get(sid))
         finally:
             with self._cond:
                 self._reads -= 1

@@ -237,6 +237,7 @@ class Resumer(Protocol):
     """What rebuilds a session from its snapshot bytes (the engine), and frees one."""
 
     def resume(self, data: bytes) -> tuple[Any, dict[str, Any]]: ...
+    def adopt(self, state: Any) -> None: ...
     def release(self, state: Any) -> None: ...
 
 
@@ -287,6 +288,7 @@ def recover(
             store.load_tombstones([sid], LOST)
             counts["corrupt"] += 1
             continue
+        engine.adopt(state)
         if expires_at <= clock():
             engine.release(state)
             snapshots.discard(sid)

@@ -358,6 +358,25 @@ def test_a_conversation_begun_on_one_instance_goes_on_on_another(pair, reference
         a.shared.fetch(sid).result(10)
 
 
+def test_a_resume_is_rebuilt_on_a_reader_thread_never_the_step_loop(
+    pair: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, b = pair
+    sid = call(a, {"type": "open_session", "image": data_uri(make_image(43))})[1]["session_id"]
+    assert a.shared.flush(10)
+    engine, threads = b.service.engine, []
+    rebuild = engine.resume
+
+    def recording(data: bytes) -> Any:
+        threads.append(threading.current_thread().name)
+        return rebuild(data)
+
+    monkeypatch.setattr(engine, "resume", recording)
+    status, reply = ask(b, sid, PROMPTS[0])
+    assert status == 200 and reply["usage"]["session_tier"] == "store"
+    assert len(threads) == 1 and threads[0].startswith("llava-store-read")
+
+
 def test_a_client_can_resume_explicitly_and_is_pinned_to_the_new_instance(pair, reference):
     a, b = pair
     picture = make_image(42)

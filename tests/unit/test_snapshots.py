@@ -204,6 +204,7 @@ class Engine:
 
     def __init__(self) -> None:
         self.released = 0
+        self.adopted = 0
 
     def resume(self, data: bytes) -> tuple[Any, dict[str, Any]]:
         kind, _, expiry = data.decode().partition(":")
@@ -212,6 +213,9 @@ class Engine:
         if kind != "ok":
             raise ValueError("not a session snapshot")
         return _State(), {"expires_at": float(expiry), "info": {"image": "key"}}
+
+    def adopt(self, state: Any) -> None:
+        self.adopted += 1
 
     def release(self, state: Any) -> None:
         self.released += 1

@@ -161,12 +161,13 @@ class LlavaEngine:
         return snapshot.capture(state, self.fingerprint, extra)
 
     def resume(self, data: bytes) -> tuple[SessionState, dict[str, Any]]:
-        """Rebuild a session from its snapshot, in the FEATURES tier; ValueError if it is not
-        a snapshot of this model."""
-        replica = place(self.runner.replicas)
-        state, extra = snapshot.restore(data, self.fingerprint, replica)
-        replica.states.add(state)
-        return state, extra
+        """Rebuild a session from its snapshot, in the FEATURES tier (host tensors only: on
+        any thread); ValueError if it is not a snapshot of this model."""
+        return snapshot.restore(data, self.fingerprint, place(self.runner.replicas))
+
+    def adopt(self, state: SessionState) -> None:
+        """Count a resumed session on its replica (what places the next ones)."""
+        state.replica.states.add(state)
 
     def offload(self, state: SessionState) -> int:
         """Move a session's cache to host memory; return the device bytes freed."""

@@ -1,11 +1,10 @@
 """The vLLM engine: the kit's sessions on vLLM's `LLMEngine` (`engine: vllm`).
 
-A session is its conversation (`state.py`); each turn is one vLLM request holding the whole
-conversation's token ids, exactly as transformers' pipeline renders and tokenizes them (the
-chat template, BOS included, one image placeholder per picture, which vLLM expands), and its
-pictures under their content ids. The ids come from the last turn's prompt (only what a turn
-adds is rendered and tokenized: `conversation/incremental.py`); vLLM's prefix cache finds the
-keys and values it still holds of them, and its encoder cache the pictures' features.
+A session is its conversation (`state.py`); each turn is one vLLM request with the whole
+conversation's token ids, rendered and tokenized exactly as transformers' pipeline does (chat
+template, BOS, one image placeholder per picture, which vLLM expands), and its pictures under
+their content ids. Only what a turn adds is rendered (`conversation/incremental.py`); vLLM's
+prefix cache finds the keys and values it still holds, its encoder cache the pictures' features:
 
     engine = VllmEngine.load("path/to/checkpoint", ServerConfig(engine="vllm"))
     state = engine.new_session(engine.image_preparer()(image, []))
@@ -14,11 +13,10 @@ keys and values it still holds of them, and its encoder cache the pictures' feat
         engine.step([turn])
     engine.finish_turn(turn)
 
-Each `step()` is one `LLMEngine.step()`: every request in flight advances together, and each
-output goes to its turn. A dead engine core (`EngineDeadError`) fails the answers in flight (the
-service rolls each back to its session's last finished turn) and a new engine is started on a
-thread; meanwhile requests are refused with 503 `engine_restarting`. Sessions live in the
-worker, so none is lost.
+Each `step()` is one `LLMEngine.step()`: every request in flight advances together, each output
+goes to its turn. A dead engine core (`EngineDeadError`) fails the answers in flight (each rolled
+back to its session's last finished turn) and a new engine is started on a thread; meanwhile
+requests get 503 `engine_restarting`. Sessions live in the worker: none is lost.
 """
 
 from __future__ import annotations
@@ -149,13 +147,16 @@ class VllmEngine:
         return snapshot.capture(state, self.fingerprint, extra)
 
     def resume(self, data: bytes) -> tuple[VllmSession, dict[str, Any]]:
-        """Rebuild a session from its snapshot; ValueError if it is not one of this model's."""
+        """Rebuild a session from its snapshot, on any thread; ValueError if not this model's."""
         state, extra = snapshot.restore(data, self.fingerprint)
         state.prefix_ids = self._prefix(state.system_prompt, state.opening_images)
         return state, extra
 
+    def adopt(self, state: VllmSession) -> None:
+        """Nothing to count: vLLM's cache is shared by every session."""
+
     def offload(self, state: VllmSession) -> int:
-        return 0  # nothing of a session is on the device: vLLM's cache is shared
+        return 0  # nothing of a session is on the device
 
     def drop_cache(self, state: VllmSession) -> int:
         return 0
