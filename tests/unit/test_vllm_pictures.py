@@ -13,11 +13,14 @@ import pytest
 from PIL import Image
 from safetensors.numpy import save as save_arrays
 
+from llava.core.config import ServerConfig
 from llava.engines.vllm import images as pictures_module
 from llava.engines.vllm.images import VllmImage, decode
 from llava.engines.vllm.snapshot import FORMAT, RAW_PIXELS, capture, restore
 from llava.engines.vllm.state import VllmSession
 from llava.tools.tiny.scenes import draw_scene
+
+LIMITS = ServerConfig()  # what a client may upload, by default
 
 
 def scene(seed: int = 1) -> Image.Image:
@@ -63,7 +66,7 @@ def test_snapshots_write_png_read_both_formats_and_refuse_hostile_pictures() -> 
     state = VllmSession("be brief", (image,), [])
     data = capture(state, "model-a", {"k": 1})()
     assert len(data) < len(image.png) + 2048  # the PNG and a header, no pixels
-    again, extra = restore(data, "model-a")
+    again, extra = restore(data, "model-a", LIMITS)
     assert extra == {"k": 1} and again.images[0].uuid == image.uuid
     meta = {
         "format": RAW_PIXELS,
@@ -73,14 +76,29 @@ def test_snapshots_write_png_read_both_formats_and_refuse_hostile_pictures() -> 
         "uuids": [image.uuid],
         "extra": {},
     }
-    old, _ = restore(snapshot_of(meta, {"image.0": np.asarray(rgb)}), "model-a")
+    old, _ = restore(snapshot_of(meta, {"image.0": np.asarray(rgb)}), "model-a", LIMITS)
     assert old.images[0].uuid == image.uuid
     with pytest.raises(ValueError, match="different model"):
-        restore(data, "model-b")
+        restore(data, "model-b", LIMITS)
     hostile = {
         "not a png": np.frombuffer(b"not a png at all", np.uint8),
         "pixels where a PNG goes": np.asarray(rgb),
     }
     for array in hostile.values():
         with pytest.raises(ValueError, match="picture 0"):
-            restore(snapshot_of({**meta, "format": FORMAT}, {"image.0": array}), "model-a")
+            restore(snapshot_of({**meta, "format": FORMAT}, {"image.0": array}), "model-a", LIMITS)
+
+
+def test_a_restored_session_is_held_to_the_limits_an_upload_is_held_to() -> None:
+    """A snapshot (from the store: sealed, but written under other settings) with a larger
+    picture or more pictures than this instance lets a client send is refused, that session
+    only."""
+    image = VllmImage.of(scene())
+    width, height = image.size
+    data = capture(VllmSession(None, (image, image), []), "model-a", {})()
+    assert restore(data, "model-a", LIMITS)[0].images[1].uuid == image.uuid
+    small = ServerConfig(image_max_pixels=width * height - 1)
+    with pytest.raises(ValueError, match="image_max_pixels"):
+        restore(data, "model-a", small)
+    with pytest.raises(ValueError, match="max_images_per_session"):
+        restore(data, "model-a", ServerConfig(max_images_per_session=1))

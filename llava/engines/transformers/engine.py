@@ -163,7 +163,8 @@ class LlavaEngine:
     def resume(self, data: bytes) -> tuple[SessionState, dict[str, Any]]:
         """Rebuild a session from its snapshot, in the FEATURES tier (host tensors only: on
         any thread); ValueError if it is not a snapshot of this model."""
-        return snapshot.restore(data, self.fingerprint, place(self.runner.replicas))
+        replica = place(self.runner.replicas)
+        return snapshot.restore(data, self.fingerprint, replica, self.runner.config)
 
     def adopt(self, state: SessionState) -> None:
         """Count a resumed session on its replica (what places the next ones)."""

@@ -148,7 +148,7 @@ class VllmEngine:
 
     def resume(self, data: bytes) -> tuple[VllmSession, dict[str, Any]]:
         """Rebuild a session from its snapshot, on any thread; ValueError if not this model's."""
-        state, extra = snapshot.restore(data, self.fingerprint)
+        state, extra = snapshot.restore(data, self.fingerprint, self.config)
         state.prefix_ids = self._prefix(state.system_prompt, state.opening_images)
         return state, extra
 

@@ -18,7 +18,9 @@ from PIL import Image
 from safetensors.numpy import load as load_arrays
 from safetensors.numpy import save as save_arrays
 
+from llava.core.config import ServerConfig
 from llava.engines.checkpoint import snapshot_meta
+from llava.engines.conversation import checks
 from llava.engines.conversation.chat import Exchange
 from llava.engines.vllm.images import MAX_PNG_PIXELS, VllmImage
 from llava.engines.vllm.state import VllmSession
@@ -46,9 +48,12 @@ def capture(state: VllmSession, fingerprint: str, extra: dict[str, Any]) -> Call
     return serialise
 
 
-def restore(data: bytes, fingerprint: str) -> tuple[VllmSession, dict[str, Any]]:
+def restore(
+    data: bytes, fingerprint: str, limits: ServerConfig
+) -> tuple[VllmSession, dict[str, Any]]:
     """Rebuild a session's conversation (its prefix ids are the engine's to fill in) and the
-    service's extra data; raise ValueError when the bytes are not a snapshot of this model."""
+    service's extra data; raise ValueError when the bytes are not a snapshot of this model, or
+    hold more or larger pictures than `limits` let a client upload."""
     meta = snapshot_meta(data, (FORMAT, RAW_PIXELS), fingerprint)
     try:
         arrays = load_arrays(data)
@@ -58,6 +63,9 @@ def restore(data: bytes, fingerprint: str) -> tuple[VllmSession, dict[str, Any]]
         _picture(arrays.get(f"image.{i}"), uuid, meta["format"] == RAW_PIXELS, i)
         for i, uuid in enumerate(meta["uuids"])
     ]
+    checks.check_restored(
+        [im.size for im in images], limits.image_max_pixels, limits.max_images_per_session
+    )
     history = [Exchange(p, a, n) for p, a, n in meta["history"]]
     state = VllmSession(meta["system_prompt"], tuple(images), [], history)
     return state, meta["extra"]

@@ -25,8 +25,10 @@ from PIL import Image
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
+from llava.core.config import ServerConfig
 from llava.core.tiers import Tier
 from llava.engines.checkpoint import snapshot_meta
+from llava.engines.conversation import checks
 from llava.engines.conversation.chat import Exchange
 from llava.engines.transformers.state.imageset import ImageSet
 from llava.engines.transformers.state.session import Replica, SessionState
@@ -66,15 +68,23 @@ def capture(state: SessionState, fingerprint: str, extra: dict[str, Any]) -> Cal
     return serialise
 
 
-def restore(data: bytes, fingerprint: str, replica: Replica) -> tuple[SessionState, dict[str, Any]]:
+def restore(
+    data: bytes, fingerprint: str, replica: Replica, limits: ServerConfig
+) -> tuple[SessionState, dict[str, Any]]:
     """Rebuild a session's state (FEATURES tier) and the service's extra data from a snapshot;
-    raise ValueError when the bytes are not a snapshot of this model."""
+    raise ValueError when the bytes are not a snapshot of this model, or hold more or larger
+    pictures than `limits` let a client upload."""
     meta = snapshot_meta(data, FORMAT, fingerprint)
     try:
         tensors = load_tensors(data)
     except Exception as exc:  # safetensors raises its own error types
         raise ValueError(f"not a session snapshot: {exc}") from exc
-    sources = [Image.fromarray(tensors[f"source.{i}"].numpy()) for i in range(meta["sources"])]
+    pixels = [tensors[f"source.{i}"] for i in range(meta["sources"])]  # joint families only
+    sizes = [(int(p.shape[1]), int(p.shape[0])) for p in pixels]  # (width, height)
+    checks.check_restored(sizes, limits.image_max_pixels, limits.max_images_per_session)
+    if len(meta["tokens"]) > limits.max_images_per_session:
+        raise ValueError("it holds more pictures than max_images_per_session")
+    sources = [Image.fromarray(p.numpy()) for p in pixels]
     opening = None
     if meta["opening_tokens"] is not None:
         opening = ImageSet(meta["opening_tokens"], tensors.get("opening.features"))
