@@ -115,6 +115,7 @@ class ServerConfig:
     session_store_secret: str = dataclasses.field(default="", repr=False)  # never logged
     session_store_secret_id: str = ""
     session_store_max_pending: int = 256  # sessions whose write may wait; past it the oldest go
+    session_store_max_pending_mb: int = 1024  # and the snapshots they keep alive, at most
     # Before each turn of a held session, one HEAD to the store: another instance answered it
     # since? (then this copy is dropped and the newer one resumed). Off saves that round trip
     # per turn; a stale copy may then answer once before its write is refused.

@@ -108,6 +108,7 @@ def open_shared_store(config: ServerConfig, name: str) -> Any:
         secret=secret,
         verify_turns=config.session_store_verify_turns,
         max_pending=config.session_store_max_pending,
+        max_pending_bytes=config.session_store_max_pending_mb << 20,
     )
 
 

@@ -55,7 +55,7 @@ class Keeper:
             if self.snapshots is not None:
                 self.snapshots.save(session.id, produce)
             if self.shared is not None:
-                self.shared.save(session.id, produce, generation, session.nbytes)
+                self.shared.save(session.id, produce, generation)
         except Exception:  # a missing snapshot costs a restart's recovery, never this answer
             log.exception("could not snapshot session %s", session.id)
 

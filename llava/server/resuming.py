@@ -111,7 +111,7 @@ class SessionResumer(Generic[StateT, TurnT]):
             return None
         if sid is not None and not checked and self._verified(request, sid):
             deadline = time.monotonic() + CHECK_WAIT_S
-            return Resuming(sid, self.shared.check(sid), item, check=True, deadline=deadline)
+            return Resuming(sid, self.shared.checks.check(sid), item, check=True, deadline=deadline)
         if sid is not None and self.shared.fenced.moved(sid):  # unchecked, known stale
             self._drop(sid)
         if not self.wanted(sid):
@@ -146,7 +146,7 @@ class SessionResumer(Generic[StateT, TurnT]):
         the copy, and turns go unchecked a while."""
         if not work.data.done():
             log.warning("session %s: the shared store is slow to check; answering here", work.sid)
-            self.shared.pause_checks()
+            self.shared.checks.pause()
             return
         try:
             current = work.data.result()

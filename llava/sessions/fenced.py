@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from llava.sessions.objects import ObjectStore, Refused, StoreLocation
@@ -31,6 +33,7 @@ log = logging.getLogger(__name__)
 
 MAX_OBJECT_BYTES = 1 << 30  # a 7B session's snapshot is ~5 MB; refuse anything absurd
 REMEMBERED = 65_536  # sessions whose object this instance holds (ETag and generation)
+CHECK_PAUSE_S = 30.0  # how long turns go unchecked after a check failed or came too late
 WRITE_TRIES = 4  # a conditional write refused this often in a row is given up (retried later)
 
 
@@ -247,3 +250,37 @@ def _newer(found: _Found | None, known: int) -> bool:
     if found.sealed is None:
         return False  # damaged: never a reason to drop a good copy
     return found.sealed.closed or found.sealed.generation > known
+
+
+class TurnChecks:
+    """Ask whether held copies are still the newest, on threads of their own (a slow resume
+    never holds up a held session's turn); paused while the store fails or is slow."""
+
+    def __init__(self, fenced: FencedObjects, threads: int) -> None:
+        self.fenced = fenced
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="llava-store-check")
+        self._off_until = 0.0  # after a failed or late check: turns answer unchecked
+
+    def check(self, sid: str) -> Future[bool]:
+        """Tell whether this instance's copy of `sid` is still the newest (False: drop it and
+        resume from the store). While paused, True at once: the held copy answers, its write
+        still fenced."""
+        if time.monotonic() < self._off_until:
+            done: Future[bool] = Future()
+            done.set_result(True)
+            return done
+        return self._pool.submit(self._current, sid)
+
+    def pause(self) -> None:
+        """Skip checks for CHECK_PAUSE_S: a check failed or came too late."""
+        self._off_until = time.monotonic() + CHECK_PAUSE_S
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _current(self, sid: str) -> bool:
+        try:
+            return self.fenced.current(sid)
+        except Exception:
+            self.pause()
+            raise

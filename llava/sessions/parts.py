@@ -9,7 +9,8 @@ its content (SHA-256), and each turn writes only the *skeleton*: the snapshot wi
 ranges cut out and a list of where they go. Reading joins them back and checks every part
 against its digest, so a swapped or damaged part is refused like a damaged snapshot.
 
-Anything that is not a safetensors file is kept whole (a skeleton with no parts).
+Anything that is not a safetensors file is kept whole (a skeleton with no parts); a snapshot
+written before parts existed reads as itself.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def join(skeleton: bytes, part: Callable[[str], bytes]) -> bytes:
 
 def _index(skeleton: bytes) -> tuple[list[list[int | str]], bytes]:
     if not skeleton.startswith(_MAGIC):
-        raise CorruptSnapshot("the stored session is not a snapshot skeleton")
+        return [], skeleton  # written whole (before parts): a snapshot the engine checks
     head = len(_MAGIC) + _LENGTH.size
     try:
         (size,) = _LENGTH.unpack_from(skeleton, len(_MAGIC))

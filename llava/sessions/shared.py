@@ -24,7 +24,7 @@ Deletion follows the session's end: a close leaves a sealed tombstone that no st
 undo; an expiry or a loss deletes the object only if it is still the one this instance wrote or
 resumed from; an eviction keeps it, so the session resumes from the store on its next request
 instead of being lost. With `verify_turns`, each turn of a held session first checks (one HEAD,
-on a reader thread) that no other instance answered it since (`check`).
+on a thread of its own) that no other instance answered it since (`checks`).
 """
 
 from __future__ import annotations
@@ -36,11 +36,11 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from llava.core.errors import StoreUnavailable
 from llava.sessions import parts
-from llava.sessions.fenced import FencedObjects
+from llava.sessions.fenced import FencedObjects, TurnChecks
 from llava.sessions.objects import ObjectStore, StoreLocation
 from llava.sessions.sealed import Sealed, store_key
 from llava.sessions.session import CLOSED, EVICTED
@@ -51,7 +51,6 @@ T = TypeVar("T")
 
 ATTEMPTS = 4  # tries of one write before it is given up (counted as a failure)
 MAX_READS = 64  # reads waiting or running at once; past it a resume is refused (503)
-CHECK_PAUSE_S = 30.0  # how long turns go unchecked after a check failed or came too late
 SETTLE_S = 30.0  # how long a read waits for this instance's own pending write of the session
 
 
@@ -63,7 +62,7 @@ class _Write:
     produce: Callable[[], bytes] | None  # None: a close, or a delete
     queued_at: float
     generation: int = 0  # the state's (its session's count of kept states)
-    nbytes: int = 0  # the state it keeps alive until written
+    nbytes: int = 0  # what it keeps alive until written: the session's last snapshot's size
     closed: bool = False  # a tombstone
     attempts: int = 0
 
@@ -88,7 +87,7 @@ class SharedStore:
     store = SharedStore(S3Objects.connect("bucket"), StoreLocation.parse("s3://bucket/p"))
     store.save(sid, producer, 7)     # queued; the writer uploads the latest one (generation 7)
     data = store.fetch(sid).result() # on a reader thread; NotStored / ClosedInStore / Corrupt...
-    store.check(sid).result()        # False: another instance answered it since
+    store.checks.check(sid).result() # False: another instance answered it since
     store.remove(sid, "closed")
     store.flush(30)                  # before the instance goes away
     """
@@ -133,9 +132,7 @@ class SharedStore:
         self._closed = False
         self._unreachable = False  # a start-up look-up failed (holds)
         self._readers = ThreadPoolExecutor(readers, thread_name_prefix="llava-store-read")
-        # checks have threads of their own: a slow resume never holds up a held session's turn
-        self._checkers = ThreadPoolExecutor(readers, thread_name_prefix="llava-store-check")
-        self._checks_off_until = 0.0  # after a failed or late check: turns answer unchecked
+        self.checks = TurnChecks(self.fenced, readers)
         self._writer = threading.Thread(target=self._run, name="llava-store-write", daemon=True)
         self._writer.start()
         log.info("sessions are kept in the shared store %s", location.uri)
@@ -145,11 +142,11 @@ class SharedStore:
         return self.fenced.object_key(sid)
 
     # -- the step thread's side: never blocks on the network -------------------------------
-    def save(
-        self, sid: str, produce: Callable[[], bytes], generation: int, nbytes: int = 0
-    ) -> None:
-        """Queue the latest snapshot of `sid`, its `generation`-th kept state of `nbytes`
-        (replacing one not yet written)."""
+    def save(self, sid: str, produce: Callable[[], bytes], generation: int) -> None:
+        """Queue the latest snapshot of `sid`, its `generation`-th kept state (replacing one
+        not yet written)."""
+        with self._cond:
+            nbytes = self._bytes.get(sid, 0)  # a turn's snapshot weighs about its last one's
         self._queue(sid, _Write(produce, self._clock(), generation, nbytes))
 
     def remove(self, sid: str, reason: str) -> None:
@@ -213,28 +210,13 @@ class SharedStore:
                     f"{self._reads} session-store reads are waiting; retry shortly"
                 )
             self._reads += 1
-        return self._readers.submit(self._read, sid, then)
+        future = self._readers.submit(self._read, sid, then)
+        future.add_done_callback(self._read_done)  # also when cancelled before it ran
+        return future
 
-    def check(self, sid: str) -> Future[bool]:
-        """Tell on a checker thread whether this instance's copy of `sid` is still the newest
-        (False: drop it and resume from the store). While the store fails or is slow
-        (`pause_checks`), answer True at once: the held copy answers, its write still fenced."""
-        if time.monotonic() < self._checks_off_until:
-            done: Future[bool] = Future()
-            done.set_result(True)
-            return done
-        return self._checkers.submit(self._current, sid)
-
-    def pause_checks(self) -> None:
-        """Skip checks for CHECK_PAUSE_S: a check failed or came too late."""
-        self._checks_off_until = time.monotonic() + CHECK_PAUSE_S
-
-    def _current(self, sid: str) -> bool:
-        try:
-            return self.fenced.current(sid)
-        except Exception:
-            self.pause_checks()
-            raise
+    def _read_done(self, _: Future[Any]) -> None:
+        with self._cond:
+            self._reads -= 1
 
     def _settle(self, sid: str) -> None:
         deadline = time.monotonic() + SETTLE_S
@@ -245,12 +227,14 @@ class SharedStore:
                 self._cond.wait(deadline - time.monotonic())
 
     def _read(self, sid: str, then: Callable[[bytes], T]) -> T:
+        self._settle(sid)  # this instance's own newer state first (an evicted session's)
+        payload = self._get(sid)
         try:
-            self._settle(sid)  # this instance's own newer state first (an evicted session's)
-            return then(self._get(sid))
-        finally:
-            with self._cond:
-                self._reads -= 1
+            return then(payload)
+        except ValueError:
+            raise
+        except Exception as exc:  # whatever else a snapshot makes `then` raise: its own loss
+            raise ValueError(f"{type(exc).__name__}: {exc}") from exc
 
     def _get(self, sid: str) -> bytes:
         skeleton = self.fenced.read(sid).payload  # held from now: its next write is fenced
@@ -296,7 +280,7 @@ class SharedStore:
             self._cond.notify_all()
         self._writer.join(timeout=5)
         self._readers.shutdown(wait=False, cancel_futures=True)
-        self._checkers.shutdown(wait=False, cancel_futures=True)
+        self.checks.close()
 
     # -- the writer thread -----------------------------------------------------------------
     def _queue(self, sid: str, write: _Write) -> None:
@@ -307,6 +291,7 @@ class SharedStore:
             self._pending[sid] = write
             puts = [s for s, w in self._pending.items() if w.produce is not None]
             held = sum(self._pending[s].nbytes for s in puts)
+            held += self._busy[1].nbytes if self._busy is not None else 0
             over = max(0, len(self._pending) - self.max_pending)
             for n, old in enumerate(puts):
                 # past the count, the oldest go; past the bytes too, but never the one queued

@@ -132,8 +132,11 @@ class SnapshotDir:
                 ids.append(sid)
                 with self._lock:
                     self._sizes[sid] = entry.stat().st_size
-                with contextlib.suppress(CorruptSnapshot):  # refused when read: its own loss
-                    self._use(sid, digests(self._skeleton(sid)))
+                with contextlib.suppress(CorruptSnapshot, OSError):  # refused when read
+                    used = digests(self._skeleton(sid))
+                    self._use(sid, used)
+                    with self._lock:
+                        self._sizes[sid] += sum(_size(self._parts / d) for d in used)
             elif entry != self._parts:  # a temporary file a dead worker left half-written
                 _unlink(entry)
         for part in self._parts.iterdir():  # parts no snapshot uses, or half-written
@@ -221,16 +224,18 @@ class SnapshotDir:
         self._use(sid, [])
 
     def _use(self, sid: str, parts: Iterable[str]) -> None:
-        """Record the parts `sid`'s snapshot uses now; delete those no snapshot uses any more."""
-        new, old = frozenset(parts), self._refs.pop(sid, frozenset())
-        if new:
-            self._refs[sid] = new
-        self._users.update(new - old)
-        for digest in old - new:
-            self._users[digest] -= 1
-            if self._users[digest] <= 0:
-                del self._users[digest]
-                _unlink(self._parts / digest)
+        """Record the parts `sid`'s snapshot uses now; delete those no snapshot uses any more
+        (locked: start-up's discards may run beside the writer's deletions)."""
+        with self._lock:
+            new, old = frozenset(parts), self._refs.pop(sid, frozenset())
+            if new:
+                self._refs[sid] = new
+            self._users.update(new - old)
+            for digest in old - new:
+                self._users[digest] -= 1
+                if self._users[digest] <= 0:
+                    del self._users[digest]
+                    _unlink(self._parts / digest)
 
 
 class Resumer(Protocol):
@@ -305,6 +310,13 @@ def recover(
     if found or left:
         log.info("sessions after the restart: %s", counts)
     return counts
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def _mtime(entry: Path) -> float:

@@ -168,14 +168,14 @@ def test_the_store_fences_writes_by_generation(s3_url: str) -> None:  # noqa: F8
     """At the store's level: a stale holder's write is refused and its copy reported moved;
     a newer one's goes in; an object damaged under a holder is written over."""
     here, there, sid = moved_on(s3_url, "gens")
-    assert here.check(sid).result(10) is False  # another instance wrote since
+    assert here.checks.check(sid).result(10) is False  # another instance wrote since
     here.save(sid, lambda: b"two, from a stale copy", 2)
     assert here.flush(10)
     assert here.stats()["fenced"] == 1 and here.stats()["failures"] == 0
     assert there.fetch(sid).result(10) == b"two"
-    assert there.check(sid).result(10) is True
+    assert there.checks.check(sid).result(10) is True
     raw(s3_url).put_object(Bucket=BUCKET, Key=there.object_key(sid), Body=b"torn")
-    assert there.check(sid).result(10) is True  # damaged: the holder's copy stands
+    assert there.checks.check(sid).result(10) is True  # damaged: the holder's copy stands
     there.save(sid, lambda: b"three", 3)
     assert there.flush(10)
     assert here.fetch(sid).result(10) == b"three" and there.stats()["replaced"] == 1
@@ -193,9 +193,9 @@ def test_a_stale_holder_further_along_never_overwrites_a_newer_copy(s3_url: str)
     assert here.stats()["fenced"] == 1
     assert there.fetch(sid).result(10) == b"two"
     for _ in range(2):  # asked twice (a busy session is dropped only later): still moved
-        assert here.fenced.moved(sid) and here.check(sid).result(10) is False
+        assert here.fenced.moved(sid) and here.checks.check(sid).result(10) is False
     assert here.fetch(sid).result(10) == b"two"  # read again: current from here on
-    assert not here.fenced.moved(sid) and here.check(sid).result(10) is True
+    assert not here.fenced.moved(sid) and here.checks.check(sid).result(10) is True
     here.close()
     there.close()
 

@@ -49,9 +49,11 @@ def test_a_damaged_swapped_or_missing_part_is_refused() -> None:
     for wrong in (bytes(flipped), swapped, cut.parts[digest][:-1]):
         with pytest.raises(CorruptSnapshot, match="damaged"):
             join(cut.skeleton, lambda d, wrong=wrong: wrong)
-    for bad in (b"", b"LLSK\x01\xff\xff\xff\xff", cut.skeleton[:8] + b"x" + cut.skeleton[9:]):
+    for bad in (b"LLSK\x01\xff\xff\xff\xff", cut.skeleton[:8] + b"x" + cut.skeleton[9:]):
         with pytest.raises(CorruptSnapshot):
             join(bad, cut.parts.__getitem__)
+    whole = snapshot(2)  # written before parts existed: read as itself, the engine checks it
+    assert join(whole, cut.parts.__getitem__) == whole
 
 
 def test_the_store_writes_each_picture_once_and_a_missing_one_costs_that_session(

@@ -163,11 +163,12 @@ class LlavaEngine:
     def resume(self, data: bytes) -> tuple[SessionState, dict[str, Any]]:
         """Rebuild a session from its snapshot, in the FEATURES tier (host tensors only: on
         any thread); ValueError if it is not a snapshot of this model."""
-        replica = place(self.runner.replicas)
-        return snapshot.restore(data, self.fingerprint, replica, self.runner.config)
+        anywhere = self.runner.replicas[0]  # placed by `adopt`: features are on the host
+        return snapshot.restore(data, self.fingerprint, anywhere, self.runner.config)
 
     def adopt(self, state: SessionState) -> None:
-        """Count a resumed session on its replica (what places the next ones)."""
+        """Place a resumed session on a replica and count it there (what places the next)."""
+        state.replica = place(self.runner.replicas)
         state.replica.states.add(state)
 
     def offload(self, state: SessionState) -> int:
