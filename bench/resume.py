@@ -65,18 +65,10 @@ def ask(inst: Any, sid: str, prompt: str) -> tuple[float, dict[str, Any]]:
     return call(inst, {"type": "query", "prompt": prompt, "max_new_tokens": TOKENS}, sid)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="shapes")
-    parser.add_argument("--conversations", type=int, default=4)
-    parser.add_argument("--out", type=Path, default=HERE / "results")
-    args = parser.parse_args(argv)
-
+def s3_api_server() -> tuple[Any, str]:
+    """Start moto's S3 server on loopback with the benchmark's bucket; (server, its URL)."""
     import boto3
     from moto.server import ThreadedMotoServer
-
-    from llava.fronts.assembly import assemble
-    from llava.tools.archive import resolve_model
 
     os.environ.update(
         AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1"
@@ -87,6 +79,20 @@ def main(argv: list[str] | None = None) -> None:
     host, port = server.get_host_and_port()
     url = f"http://{host}:{port}"
     boto3.client("s3", endpoint_url=url).create_bucket(Bucket=BUCKET)
+    return server, url
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="shapes")
+    parser.add_argument("--conversations", type=int, default=4)
+    parser.add_argument("--out", type=Path, default=HERE / "results")
+    args = parser.parse_args(argv)
+
+    from llava.fronts.assembly import assemble
+    from llava.tools.archive import resolve_model
+
+    server, url = s3_api_server()
     work = Path(tempfile.mkdtemp())
     checkpoint = resolve_model(args.model)
 

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
-import os
 import statistics
 import sys
 import tempfile
@@ -29,7 +27,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from load import run_meta, workload, write_results  # noqa: E402
-from resume import BUCKET, TOKENS, call  # noqa: E402
+from resume import BUCKET, TOKENS, call, s3_api_server  # noqa: E402
 
 from llava.api.headers import SESSION_HEADER  # noqa: E402
 from llava.core.config import ServerConfig  # noqa: E402
@@ -69,21 +67,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args(argv)
 
-    import boto3
-    from moto.server import ThreadedMotoServer
-
     from llava.fronts.assembly import assemble
     from llava.tools.archive import resolve_model
 
-    os.environ.update(
-        AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1"
-    )
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's request log
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    url = f"http://{host}:{port}"
-    boto3.client("s3", endpoint_url=url).create_bucket(Bucket=BUCKET)
+    server, url = s3_api_server()
     work = Path(tempfile.mkdtemp())
     config = ServerConfig(
         device="cpu",
