@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import statistics
 import sys
@@ -35,16 +36,19 @@ sys.path.insert(0, str(ROOT / "bench"))
 from drivers import scene_uri  # noqa: E402
 
 from llava.api.headers import SESSION_HEADER  # noqa: E402
-from llava.tools.archive import build_archive  # noqa: E402
+from llava.tools.archive import MODEL_CONFIG, build_archive  # noqa: E402
 
 JSON = {"Content-Type": "application/json"}
 SHAPES = ROOT / "models" / "shapes"  # only its tokenizer is used: the engine is paced
 
 
-def paced_store(work: Path) -> Path:
-    """The kit's archive of `shapes`, its handler swapped for bench/paced_handler.py."""
-    store = work / "store"
-    archive = build_archive(SHAPES, store, name="llava")
+def paced_store(work: Path, in_flight: int) -> Path:
+    """The kit's archive of `shapes`, its handler swapped for bench/paced_handler.py, taking
+    `in_flight` requests at once (TorchServe's batchSize)."""
+    store, config = work / "store", work / "model-config.yaml"
+    text = re.sub(r"(?m)^batchSize: *\d+", f"batchSize: {in_flight}", MODEL_CONFIG.read_text())
+    config.write_text(text)
+    archive = build_archive(SHAPES, store, name="llava", config_file=config)
     shutil.copy(ROOT / "bench" / "paced_handler.py", archive / "llava_handler.py")
     shutil.copy(ROOT / "bench" / "paced.py", archive / "paced.py")
     return store
@@ -145,11 +149,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory(prefix="llava-front-") as tmp:
-        store = paced_store(Path(tmp))
+        in_flight = max(args.streams) + 8
+        store = paced_store(Path(tmp), in_flight)
         for step_ms in args.step_ms:
             env = {
                 "LLAVA_PACED_STEP_MS": str(step_ms),
-                "LLAVA_MAX_SESSIONS": str(max(args.streams) + 8),
+                "LLAVA_MAX_SESSIONS": str(in_flight),
                 "LLAVA_MAX_NEW_TOKENS": str(max(1024, *args.tokens)),
                 "LLAVA_IMAGE_PROCESSES": "0",
             }
