@@ -6,7 +6,7 @@
 #
 #   RESULTS=dir FRONT_S=240 SUITE_S=300 bash bench/gpu_check.sh
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit
 RESULTS=${RESULTS:-bench/results/gpu-check}
 PY=${GPU_PY:-python3}
 FRONT_S=${FRONT_S:-240}
