@@ -1,13 +1,14 @@
-"""What the TorchServe front costs over an engine of a set pace: `python bench/front.py`.
+"""What the fronts cost over an engine of a set pace: `python bench/front.py`.
 
-The kit's own handler runs in a real TorchServe over the paced engine (bench/paced.py: a step
+The kit's own handler runs in a real TorchServe, and its replica in a real Ray Serve (one
+replica, in a private network namespace), over the paced engine (bench/paced.py: a step
 of `--step-ms`, one token per running answer per step), so what is measured is the front: at
 each number of streams, every stream asks at once for an answer of `--tokens` tokens, streamed
 or whole, and the figures are set against what the engine produced:
 - added_first_ms: the first token's arrival less the engine's first step (p50);
 - gap_p50 / gap_p99: the time between a stream's chunks, as a ratio to the engine's step;
 - relayed: tokens delivered per second against tokens produced per second (streams / step);
-- cpu_us_per_token: TorchServe's CPU time (frontend and worker) per token delivered.
+- cpu_us_per_token: the front's CPU time (its whole process tree) per token delivered.
 Whole answers: the time to the whole answer against tokens x step. The client runs on the
 same machine (its threads share the cores): read the figures as ratios side by side.
 Writes bench/results/front.json and front.png.
@@ -17,9 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -40,12 +43,14 @@ from llava.tools.archive import MODEL_CONFIG, build_archive  # noqa: E402
 
 JSON = {"Content-Type": "application/json"}
 SHAPES = ROOT / "models" / "shapes"  # only its tokenizer is used: the engine is paced
+FRONTS = ("torchserve", "ray")
 
 
 def paced_store(work: Path, in_flight: int) -> Path:
     """The kit's archive of `shapes`, its handler swapped for bench/paced_handler.py, taking
     `in_flight` requests at once (TorchServe's batchSize)."""
     store, config = work / "store", work / "model-config.yaml"
+    work.mkdir(parents=True, exist_ok=True)
     text = re.sub(r"(?m)^batchSize: *\d+", f"batchSize: {in_flight}", MODEL_CONFIG.read_text())
     config.write_text(text)
     archive = build_archive(SHAPES, store, name="llava", config_file=config)
@@ -138,41 +143,60 @@ def measure(url: str, pid: int, streams: int, tokens: int, stream: bool, step_s:
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
+def served(front: str, tmp: Path, step_ms: float, in_flight: int, tokens: int) -> Any:
+    """A started front over the paced engine: TorchServe's or Ray Serve's (one replica)."""
+    from llava.fronts.ray.launcher import RayServe
     from llava.fronts.torchserve.launcher import TorchServe
 
+    env = {
+        "LLAVA_PACED_STEP_MS": str(step_ms),
+        "LLAVA_MAX_SESSIONS": str(in_flight),
+        "LLAVA_MAX_NEW_TOKENS": str(max(1024, tokens)),
+        "LLAVA_IMAGE_PROCESSES": "0",
+    }
+    work = tmp / f"{front}-{step_ms}"
+    if front == "torchserve":
+        return TorchServe(paced_store(work, in_flight), "llava", workdir=work, env=env)
+    path = [str(ROOT / "bench" / "paced_ray"), str(ROOT)]
+    env["PYTHONPATH"] = os.pathsep.join([*path, os.environ.get("PYTHONPATH", "")])
+    return RayServe(SHAPES, workdir=work, env=env)
+
+
+def front_url(front: str, server: Any) -> tuple[str, int]:
+    """Where the front takes the kit's requests, and the pid whose process tree serves them."""
+    if front == "torchserve":
+        pid = server.frontend_pid()
+        assert pid is not None, "TorchServe started with no pid file"
+        return server.url("/predictions/llava"), pid
+    return server.url("/invocations"), server.proc.pid
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--fronts", nargs="+", choices=FRONTS, default=list(FRONTS))
     parser.add_argument("--step-ms", type=float, nargs="+", default=[7.0])
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--tokens", type=int, nargs="+", default=[32])
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "front.json")
     args = parser.parse_args(argv)
+    if "ray" in args.fronts and os.environ.get("LLAVA_NETNS") != "1":
+        # Ray binds the machine's address: run in a private network namespace (needs root).
+        inner = f"ip link set lo up && LLAVA_NETNS=1 {sys.executable} {' '.join(sys.argv)}"
+        raise SystemExit(subprocess.call(["unshare", "-n", "sh", "-c", inner]))
     rows = []
+    in_flight = max(args.streams) + 8
     with tempfile.TemporaryDirectory(prefix="llava-front-") as tmp:
-        in_flight = max(args.streams) + 8
-        store = paced_store(Path(tmp), in_flight)
-        for step_ms in args.step_ms:
-            env = {
-                "LLAVA_PACED_STEP_MS": str(step_ms),
-                "LLAVA_MAX_SESSIONS": str(in_flight),
-                "LLAVA_MAX_NEW_TOKENS": str(max(1024, *args.tokens)),
-                "LLAVA_IMAGE_PROCESSES": "0",
-            }
-            work = Path(tmp) / f"ts-{step_ms}"
-            with TorchServe(store, "llava", workdir=work, env=env) as ts:
-                url = ts.url("/predictions/llava")
-                pid = ts.frontend_pid()
-                assert pid is not None, "TorchServe started with no pid file"
-                for tokens in args.tokens:
-                    for streams in args.streams:
-                        for stream in (True, False):
-                            row = {
-                                "front": "torchserve",
-                                "step_ms": step_ms,
-                                **measure(url, pid, streams, tokens, stream, step_ms / 1000),
-                            }
-                            print(json.dumps(row), flush=True)
-                            rows.append(row)
+        for front in args.fronts:
+            for step_ms in args.step_ms:
+                with served(front, Path(tmp), step_ms, in_flight, max(args.tokens)) as server:
+                    url, pid = front_url(front, server)
+                    for tokens in args.tokens:
+                        for streams in args.streams:
+                            for stream in (True, False):
+                                figures = measure(url, pid, streams, tokens, stream, step_ms / 1000)
+                                row = {"front": front, "step_ms": step_ms, **figures}
+                                print(json.dumps(row), flush=True)
+                                rows.append(row)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"cpus": psutil.cpu_count(), "argv": sys.argv[1:], "when": time.strftime("%F %T")}
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
@@ -187,12 +211,13 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for key in sorted({(r["step_ms"], r["tokens"]) for r in rows if r["stream"]}):
-        points = [r for r in rows if r["stream"] and (r["step_ms"], r["tokens"]) == key]
+    for key in sorted({(r["front"], r["step_ms"], r["tokens"]) for r in rows if r["stream"]}):
+        points = [r for r in rows if r["stream"] and (r["front"], r["step_ms"], r["tokens"]) == key]
+        name = f"{key[0]}, {key[1]} ms step, {key[2]} tokens"
         ax.plot([r["streams"] for r in points], [r.get("gap_p50") for r in points], "o-",
-                label=f"{key[0]} ms step, {key[1]} tokens: gap p50")  # fmt: skip
+                label=f"{name}: gap p50")  # fmt: skip
         ax.plot([r["streams"] for r in points], [r["relayed"] for r in points], "s--",
-                label=f"{key[0]} ms step, {key[1]} tokens: relayed")  # fmt: skip
+                label=f"{name}: relayed")  # fmt: skip
     ax.set_xscale("log", base=2)
     ax.set_xlabel("streams")
     ax.set_ylabel("ratio to the engine (1 = keeps pace)")

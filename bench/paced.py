@@ -9,9 +9,11 @@ test of answers: its answers are a fixed text cut to length.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from llava.core.params import GenerationParams
@@ -184,3 +186,21 @@ class PacedEngine:
 
     def _turn(self, state: PacedState, prompt: str, params: GenerationParams) -> PacedTurn:
         return PacedTurn(state, prompt, params, Detokenizer(self.tokenizer))
+
+
+def paced_engine(model_dir: Path, config: Any) -> tuple[Any, Any, Any, Any]:
+    """What `assembly.load_engine` returns, for the paced engine at LLAVA_PACED_STEP_MS."""
+    from transformers import AutoTokenizer
+
+    from llava.sessions.memory import TieredMemory
+
+    step_s = float(os.environ.get("LLAVA_PACED_STEP_MS", "7")) / 1000
+    engine = PacedEngine(step_s, AutoTokenizer.from_pretrained(model_dir))
+    return engine, TieredMemory(engine, None, None), None, None
+
+
+def install() -> None:
+    """Make this process's fronts load the paced engine instead of the model's."""
+    from llava.fronts import assembly
+
+    assembly.load_engine = paced_engine
