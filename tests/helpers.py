@@ -253,7 +253,7 @@ def assert_conversation(
             text = answer
             if text != greedy.text:
                 ids = reference.processor.tokenizer(text, add_special_tokens=False)["input_ids"]
-                greedy.assert_close(ids, f"{where} turn {n + 1}")
+                greedy.assert_close(ids, f"{where} turn {n + 1} (the kit's text {text!r})")
         else:
             text = answer.text
             greedy.assert_close(answer.generated, f"{where} turn {n + 1}")

