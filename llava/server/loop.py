@@ -14,7 +14,7 @@ import itertools
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from llava.api.replies import Reply, error_reply, internal_error
@@ -30,6 +30,16 @@ class _Request:
     incoming: Incoming
     loop: asyncio.AbstractEventLoop
     replies: asyncio.Queue[Reply] = field(default_factory=asyncio.Queue)
+
+
+def merge_queued(reply: Reply, queued: asyncio.Queue[Reply]) -> Reply:
+    """Join a stream's chunks that queued while its caller was slow into one reply (the first's
+    status and headers, every line in order), so a slow front sends fewer, larger chunks and
+    never falls further behind the engine; a chunk that finds nothing queued goes at once."""
+    while reply.last is False and not queued.empty():
+        later = queued.get_nowait()
+        reply = replace(reply, body=reply.body + later.body, last=later.last)
+    return reply
 
 
 class StepLoop:
@@ -58,7 +68,7 @@ class StepLoop:
         self._wake.set()
         try:
             while True:
-                reply = await request.replies.get()
+                reply = merge_queued(await request.replies.get(), request.replies)
                 yield reply
                 if reply.last is not False:
                     return
