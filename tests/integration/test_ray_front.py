@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -183,3 +184,21 @@ def test_a_sagemaker_model_package_serves_as_the_ray_image_runs_it(
     assert [a["text"] for a in answers] == reference.answers(make_image(7), PROMPTS, TOKENS)
     assert sid.startswith("r0x")
     assert unbounded["usage"]["generated_tokens"] <= 3
+
+
+def test_a_port_taken_before_the_proxy_binds_it_is_picked_again(
+    tiny_checkpoint: Any, tmp_path: Any
+) -> None:
+    """Ray's own processes take ports at random while it starts; one that takes the port picked
+    for the proxy must not fail the start (a CI run lost a whole Ray pass to it)."""
+    if not in_private_network():
+        pytest.skip("Ray runs only in a private network namespace: run `make test-ray` as root")
+    front = RayServe(tiny_checkpoint, workdir=tmp_path / "front")
+    picked = front.port
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", picked))
+        taken.listen()
+        with front:
+            assert front.port != picked
+            assert httpx.get(front.url("/ping"), timeout=30).status_code == 200
+    assert f"Failed to bind to address '127.0.0.1:{picked}'" in front.logs()

@@ -22,6 +22,7 @@ import httpx
 from llava.fronts.torchserve.launcher import free_port
 
 REPLICA_TITLE = "ServeReplica:llava:LlavaReplica"  # Ray names each replica's process so
+BIND_FAILED = "Failed to bind to address "  # Ray Serve's proxy, when its port is taken
 
 
 class RayServe:
@@ -57,8 +58,23 @@ class RayServe:
     def url(self, path: str = "") -> str:
         return f"http://127.0.0.1:{self.port}{path}"
 
-    def start(self, timeout_s: float = 300.0) -> RayServe:
-        """Start the front and wait until every replica is up (the command prints ready)."""
+    def start(self, timeout_s: float = 300.0, tries: int = 3) -> RayServe:
+        """Start the front and wait until every replica is up (the command prints ready).
+
+        Ray's own processes take ports at random as they start, so one may take the port picked
+        for the proxy before the proxy binds it: then the front starts again on another port."""
+        attempt = 1
+        while True:
+            try:
+                return self._start(timeout_s)
+            except RuntimeError as error:
+                if attempt >= tries or f"{BIND_FAILED}'127.0.0.1:{self.port}'" not in str(error):
+                    raise
+            attempt += 1
+            self.port = free_port()
+
+    def _start(self, timeout_s: float) -> RayServe:
+        """Start the front once on `self.port`; raise with the log's tail if it does not come up."""
         self.workdir.mkdir(parents=True, exist_ok=True)
         command = [sys.executable, "-m", "llava", "serve-ray", "--model", str(self.model_dir)]
         if self.config is not None:
