@@ -176,6 +176,10 @@ def test_parse_s3_uri() -> None:
         ({"env": {"LLAVA_SESSION_TTL_S": "5"}}, "session_ttl_s"),
         ({"env": {"1BAD": "x"}}, "invalid environment variable name"),
         ({"session_ttl_s": 0}, "session_ttl_s must be positive"),
+        ({"routing": "sticky"}, "routing 'sticky': one of"),
+        ({"routing": "prefix-aware", "prefix_length": 512}, "prefix_length must be .* 1024 to"),
+        ({"concurrency_threshold": 0}, "concurrency_threshold must be an integer from 1"),
+        ({"inference_component": True, "routing": "random"}, "not offered for inference comp"),
     ],
 )
 def test_spec_rejects_bad_values_before_any_call(overrides: dict, message: str) -> None:
@@ -1075,6 +1079,34 @@ def test_gpu_instances_get_the_ami_whose_driver_runs_the_images_vllm() -> None:
         assert "InferenceAmiVersion" not in variant  # a CPU type, or SageMaker's own choice
     with pytest.raises(ValueError, match="SageMaker GPU inference AMI"):
         _spec(inference_ami="ubuntu-22.04")
+
+
+@pytest.mark.parametrize("inference_component", [False, True])
+def test_prefix_aware_routing_is_set_as_sagemakers_api_model_takes_it(inference_component) -> None:
+    """`--routing prefix-aware` sets PREFIX_AWARE with its two numbers on the variant; the
+    Stubber validates the call against botocore's model of CreateEndpointConfig."""
+    spec = _spec(
+        routing="prefix-aware",
+        prefix_length=2048,
+        concurrency_threshold=8,
+        inference_component=inference_component,
+    )
+    variant = spec.create_endpoint_config_params("c", "m")["ProductionVariants"][0]
+    assert variant["RoutingConfig"] == {
+        "RoutingStrategy": "PREFIX_AWARE",
+        "PrefixAwareRoutingConfig": {"PrefixLength": 2048, "ConcurrencyThreshold": 8},
+    }
+    model = botocore_model()
+    assert "PREFIX_AWARE" in model.shape_for("RoutingStrategy").enum
+    bounds = model.shape_for("PrefixAwareRoutingPrefixLength").metadata
+    assert (bounds["min"], bounds["max"]) == dp.spec.PREFIX_LENGTH_RANGE
+    sm, stub = _stubbed()
+    _expect_creates(stub, spec, "c")
+    with stub:
+        sm.create_model(**spec.create_model_params("c"))
+        sm.create_endpoint_config(**spec.create_endpoint_config_params("c", "c"))
+    plain = _spec().create_endpoint_config_params("c", "m")["ProductionVariants"][0]
+    assert "RoutingConfig" not in plain  # SageMaker's default unless asked
 
 
 def botocore_model() -> Any:

@@ -13,7 +13,7 @@ from llava.tools.deploy.discover import discover_bucket, discover_role
 from llava.tools.deploy.endpoint import Deployment, deploy
 from llava.tools.deploy.errors import DeployError, EndpointExistsError
 from llava.tools.deploy.names import validate_name
-from llava.tools.deploy.spec import GPU_AMI, DeploySpec
+from llava.tools.deploy.spec import GPU_AMI, ROUTING, DeploySpec
 from llava.tools.deploy.store_access import check_store_access
 from llava.tools.deploy.store_lifecycle import FRONTS_MODEL, check_apart, ensure_lifecycle
 from llava.tools.deploy.store_secret import ensure_store_secret
@@ -67,6 +67,26 @@ def add_deploy_arguments(parser: Any) -> None:
         "needs); 'default' leaves SageMaker's choice",
     )
     parser.add_argument("--instance-count", type=int, default=1)
+    parser.add_argument(
+        "--routing",
+        choices=sorted(ROUTING),
+        help="how requests without a session id pick an instance (default: SageMaker's; "
+        "prefix-aware sends chats that start alike to the instance holding them)",
+    )
+    parser.add_argument(
+        "--prefix-length",
+        type=int,
+        default=4096,
+        help="prefix-aware routing: bytes of a body (characters of an OpenAI chat's text) it "
+        "keys on (1024-65536)",
+    )
+    parser.add_argument(
+        "--concurrency-threshold",
+        type=int,
+        default=16,
+        help="prefix-aware routing: requests in flight on an instance before it sends the next "
+        "elsewhere (1-1024)",
+    )
     parser.add_argument("--ttl", type=float, default=1200, help="session idle TTL in seconds")
     parser.add_argument(
         "--setting",
@@ -166,6 +186,9 @@ def run_deploy(args: Any) -> Deployment:
             memory_mb=args.memory_mb,
             copy_count=args.copy_count,
             inference_ami=None if args.inference_ami == "default" else args.inference_ami,
+            routing=args.routing,
+            prefix_length=args.prefix_length,
+            concurrency_threshold=args.concurrency_threshold,
         )
         if args.session_store:
             iam = boto3.client("iam", region_name=region)

@@ -27,6 +27,18 @@ TS_RESPONSE_TIMEOUT_S = 300
 # others carry drivers 535 and 550 (CUDA 12.2, 12.4). It applies to GPU instance types only.
 GPU_AMI = "al2023-ami-sagemaker-inference-gpu-4-1"
 GPU_INSTANCE_RE = re.compile(r"^ml\.(g|gr|p)\d")
+# How requests without a session id reach an instance (ProductionVariantRoutingConfig): the
+# least busy one, a random one, or the one that got requests sharing this one's start
+# (PREFIX_AWARE: what lets header-less chats find the instance that holds their conversation).
+ROUTING = {
+    "least-outstanding": "LEAST_OUTSTANDING_REQUESTS",
+    "random": "RANDOM",
+    "prefix-aware": "PREFIX_AWARE",
+}
+# PrefixAwareRoutingConfig's bounds (SageMaker's API model): bytes of an InvokeEndpoint body, or
+# characters of an OpenAI chat's message text; requests in flight on the chosen instance.
+PREFIX_LENGTH_RANGE = (1024, 65536)
+CONCURRENCY_THRESHOLD_RANGE = (1, 1024)
 
 
 def _known_llava_env() -> dict[str, str]:
@@ -67,6 +79,10 @@ class DeploySpec:
       `env` adds raw environment variables and wins over everything else.
     - The two timeouts (60-3600 s) cover downloading ~14 GB of 7B weights and loading them on the
       GPU before /ping answers.
+    - `routing` ("least-outstanding", "random", "prefix-aware", or None for SageMaker's default)
+      sends requests without a session id; prefix-aware routing keys on the first
+      `prefix_length` bytes of a body (characters of an OpenAI chat's text) and moves to another
+      instance when `concurrency_threshold` requests are in flight on the chosen one.
     - `inference_component=True` deploys the model as an inference component on an endpoint
       without a model, reserving `accelerators` GPUs, `memory_mb` of host memory (and
       `cpu_cores` if set) per copy, with `copy_count` copies.
@@ -90,6 +106,9 @@ class DeploySpec:
     cpu_cores: float | None = None
     copy_count: int = 1
     inference_ami: str | None = GPU_AMI
+    routing: str | None = None
+    prefix_length: int = 4096
+    concurrency_threshold: int = 16
 
     def __post_init__(self) -> None:
         validate_name(self.name)
@@ -129,6 +148,7 @@ class DeploySpec:
             value = getattr(self, attr)
             if isinstance(value, bool) or not isinstance(value, int) or not 60 <= value <= 3600:
                 raise ValueError(f"{attr} must be an integer from 60 to 3600 s, got {value!r}")
+        self._check_routing()
         if not self.session_ttl_s > 0:
             raise ValueError(f"session_ttl_s must be positive, got {self.session_ttl_s}")
         object.__setattr__(self, "settings", MappingProxyType(dict(self.settings)))
@@ -136,6 +156,32 @@ class DeploySpec:
         if "session_ttl_s" in self.settings or "LLAVA_SESSION_TTL_S" in self.env:
             raise ValueError("set the session TTL with session_ttl_s, not settings or env")
         self.environment()  # validates
+
+    def _check_routing(self) -> None:
+        if self.routing is not None and self.routing not in ROUTING:
+            raise ValueError(f"routing {self.routing!r}: one of {', '.join(ROUTING)}")
+        if self.inference_component and self.routing == "random":
+            raise ValueError("routing 'random' is not offered for inference components")
+        for attr, (low, high) in (
+            ("prefix_length", PREFIX_LENGTH_RANGE),
+            ("concurrency_threshold", CONCURRENCY_THRESHOLD_RANGE),
+        ):
+            value = getattr(self, attr)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise ValueError(f"{attr} must be an integer from {low} to {high}, got {value!r}")
+
+    def routing_config(self) -> dict[str, Any] | None:
+        """The variant's RoutingConfig; an inference component's copies default to the least busy."""
+        routing = self.routing or ("least-outstanding" if self.inference_component else None)
+        if routing is None:
+            return None
+        config: dict[str, Any] = {"RoutingStrategy": ROUTING[routing]}
+        if routing == "prefix-aware":
+            config["PrefixAwareRoutingConfig"] = {
+                "PrefixLength": self.prefix_length,
+                "ConcurrencyThreshold": self.concurrency_threshold,
+            }
+        return config
 
     def environment(self) -> dict[str, str]:
         """The container's Environment: worker count, TorchServe limits, LLAVA_* settings."""
@@ -203,13 +249,14 @@ class DeploySpec:
             variant["InferenceAmiVersion"] = self.inference_ami
         params: dict[str, Any] = {"EndpointConfigName": config_name}
         if self.inference_component:
-            # An endpoint without a model: the inference component brings it. New sessions go to
-            # the copy with the fewest outstanding requests.
-            variant["RoutingConfig"] = {"RoutingStrategy": "LEAST_OUTSTANDING_REQUESTS"}
+            # An endpoint without a model: the inference component brings it.
             params["ExecutionRoleArn"] = self.role_arn
         else:
             variant["ModelName"] = model_name
             variant["InitialVariantWeight"] = 1.0
+        routing = self.routing_config()
+        if routing is not None:
+            variant["RoutingConfig"] = routing
         params["ProductionVariants"] = [variant]
         return params
 
