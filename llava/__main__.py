@@ -38,6 +38,8 @@ def _local_endpoint(args: argparse.Namespace) -> None:
         front=args.front,
         checkpoint=resolve_model(args.source) if args.front == "ray" else "",
         replicas=args.replicas,
+        prefix_length=args.prefix_length if args.routing == "prefix-aware" else None,
+        concurrency_threshold=args.concurrency_threshold,
     )
 
 
@@ -127,6 +129,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     local.add_argument("--source", default="shapes", help="--front ray: the checkpoint to serve")
     local.add_argument("--replicas", type=int, default=0, help="--front ray: replicas per instance")
+    local.add_argument(
+        "--routing",
+        default="least-outstanding",
+        choices=["least-outstanding", "prefix-aware"],
+        help="how requests without a session id pick an instance (as deploy --routing)",
+    )
+    local.add_argument("--prefix-length", type=int, default=4096, help="prefix-aware: 1024-65536")
+    local.add_argument("--concurrency-threshold", type=int, default=16, help="prefix-aware: 1-1024")
     local.set_defaults(run=_local_endpoint)
 
     ray = commands.add_parser(

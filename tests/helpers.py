@@ -492,3 +492,25 @@ def wait_for(condition: Callable[[], bool], what: str, timeout_s: float) -> None
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
+
+
+def sagemaker_token(
+    access_key: str, secret: str, region: str, *, expires: int = 43200, session: str | None = None
+) -> str:
+    """A bearer token as `sagemaker.core.token_generator.generate_token` makes one (the same
+    botocore presigning, step for step; that SDK pulls pandas and scipy, so it is not a test
+    dependency): `sagemaker-api-key-` + base64 of the presigned URL + `&Version=1`."""
+    from botocore.auth import SigV4QueryAuth
+    from botocore.awsrequest import AWSRequest
+    from botocore.credentials import Credentials
+
+    request = AWSRequest(
+        method="POST",
+        url="https://sagemaker.amazonaws.com/",
+        headers={"host": "sagemaker.amazonaws.com"},
+        params={"Action": "CallWithBearerToken"},
+    )
+    credentials = Credentials(access_key, secret, session)
+    SigV4QueryAuth(credentials, "sagemaker", region, expires=expires).add_auth(request)
+    presigned = request.url.replace("https://", "") + "&Version=1"
+    return "sagemaker-api-key-" + base64.b64encode(presigned.encode()).decode()

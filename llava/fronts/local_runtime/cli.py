@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from llava.core.paths import SAMPLE_IMAGE
+from llava.fronts.local_runtime.prefix import PrefixAware
 from llava.fronts.local_runtime.server import LocalRuntime
 
 log = logging.getLogger(__name__)
@@ -47,15 +48,24 @@ def serve(
     front: str = "torchserve",
     checkpoint: str | Path = "",
     replicas: int = 0,
+    prefix_length: int | None = None,
+    concurrency_threshold: int = 16,
 ) -> None:
     """Start `instances` containers and the runtime in front; block until Ctrl-C, then stop.
 
     A TorchServe serves `model` from `model_store`; a Ray Serve front (`front="ray"`) serves the
-    directory `checkpoint` with `replicas` replicas, as AWS's Ray Serve container would."""
+    directory `checkpoint` with `replicas` replicas, as AWS's Ray Serve container would. With
+    `prefix_length`, requests without a session id are routed prefix-aware."""
     from concurrent.futures import ThreadPoolExecutor
 
     if instances < 1:
         raise SystemExit("--instances must be at least 1")
+    try:
+        routing = (
+            None if prefix_length is None else PrefixAware(prefix_length, concurrency_threshold)
+        )
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
     servers = _containers(front, instances, Path(model_store), model, Path(checkpoint), replicas)
     runtime: LocalRuntime | None = None
     previous = signal.signal(signal.SIGTERM, _interrupt)
@@ -65,7 +75,11 @@ def serve(
             for future in [pool.submit(server.start) for server in servers]:
                 future.result()
         runtime = LocalRuntime(
-            [server.url() for server in servers], name=name, host=host, port=port
+            [server.url() for server in servers],
+            name=name,
+            host=host,
+            port=port,
+            prefix_aware=routing,
         )
         runtime.start()
         print(

@@ -15,10 +15,11 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
-from typing import Any
 
 from llava.api.headers import NEW_SESSION
 from llava.core.ids import SESSION_ID_MAX_LEN, SESSION_ID_RE
+from llava.fronts.local_runtime.errors import Refusal
+from llava.fronts.local_runtime.prefix import PrefixIndex
 
 log = logging.getLogger(__name__)
 
@@ -26,19 +27,6 @@ ID_PATTERN = "^[a-zA-Z0-9](-*[a-zA-Z0-9])*$"
 ID_OR_NEW_PATTERN = "^(NEW_SESSION)$|^[a-zA-Z0-9](-*[a-zA-Z0-9])*$"
 
 EXPIRES = re.compile(r"Expires=(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ)")
-
-
-class Refusal(Exception):
-    """An error the runtime itself answers with (the router's, not the container's)."""
-
-    def __init__(self, status: int, error_type: str, message: str, **fields: Any) -> None:
-        super().__init__(message)
-        self.status, self.error_type, self.message, self.fields = (
-            status,
-            error_type,
-            message,
-            fields,
-        )
 
 
 class StickyRouter:
@@ -52,6 +40,7 @@ class StickyRouter:
         self._inflight = [0] * size
         self._down_until = [0.0] * size  # out of rotation until then (it stopped answering)
         self._next = 0
+        self._prefixes = PrefixIndex()
         self._lock = threading.Lock()
 
     @contextmanager
@@ -85,6 +74,23 @@ class StickyRouter:
             best = min(order, key=lambda i: (pinned[i] + self._inflight[i], order.index(i)))
             self._next = (best + 1) % self.size
             return best
+
+    def pick_by_prefix(self, chain: list[bytes], threshold: int) -> int:
+        """Prefix-aware routing: where the longest known prefix of `chain` went, unless that
+        instance is out of rotation or has `threshold` requests in flight; else the least busy.
+        The prefix is then known to go where this request goes."""
+        with self._lock:
+            now = time.monotonic()
+            usable = [i for i in range(self.size) if self._down_until[i] <= now]
+            held = self._prefixes.longest(chain, usable)
+            busy = held is not None and self._inflight[held] >= threshold
+        if held is not None and not busy:
+            index = held
+        else:
+            index = self.pick(frozenset({held}) if held is not None else frozenset())
+        with self._lock:
+            self._prefixes.record(chain, index)
+        return index
 
     def down(self, index: int, for_s: float = 30.0) -> None:
         """Take an instance that stopped answering out of rotation for `for_s` seconds."""

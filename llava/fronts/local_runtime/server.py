@@ -28,13 +28,12 @@ credentials) sees what it would see from a SageMaker endpoint with sticky sessio
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import sys
 import threading
-import uuid
 from collections.abc import Mapping, Sequence
+from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -43,6 +42,9 @@ import httpx
 
 from llava.api.headers import CLOSED_SESSION_HEADER, NEW_SESSION, NEW_SESSION_HEADER, SESSION_HEADER
 from llava.core.params import MAX_BODY_BYTES
+from llava.fronts.local_runtime.bearer import check_bearer
+from llava.fronts.local_runtime.prefix import PREFIX_AWARE_ID_HEADER, PrefixAware
+from llava.fronts.local_runtime.replies import Replies, common_headers, send
 from llava.fronts.local_runtime.router import Refusal, StickyRouter, check_session_id
 from llava.fronts.local_runtime.wire import (
     InstanceGone,
@@ -56,8 +58,14 @@ log = logging.getLogger(__name__)
 
 EVENTSTREAM_CONTENT_TYPE = "application/vnd.amazon.eventstream"
 CUSTOM_ATTRIBUTES_HEADER = "X-Amzn-SageMaker-Custom-Attributes"
-_PATH = re.compile(r"/endpoints/([^/]+)/(invocations|invocations-response-stream)")
-_CORAL = "http://internal.amazon.com/coral/com.amazon.sagemaker/"
+_PATH = re.compile(
+    r"/endpoints/([^/]+)/(invocations|invocations-response-stream|openai/v1/chat/completions)"
+)
+OPENAI = "openai/v1/chat/completions"
+# Where the container takes an OpenAI chat sent to the endpoint's OpenAI-compatible path: AWS
+# turned that path on for every endpoint, whose containers need serve only /invocations, and both
+# of the kit's images answer a chat there (docs/sagemaker.md says what is verified).
+OPENAI_CONTAINER_PATH = "/invocations"
 
 
 class LocalRuntime:
@@ -82,6 +90,8 @@ class LocalRuntime:
         account: str = "000000000000",
         timeout_s: float = 60.0,
         enforce_expiry: bool = True,
+        prefix_aware: PrefixAware | None = None,
+        credentials: Mapping[str, str] | None = None,
     ) -> None:
         if not instances:
             raise ValueError("need at least one container instance")
@@ -91,6 +101,10 @@ class LocalRuntime:
         self.region = region
         self.account = account
         self.enforce_expiry = enforce_expiry
+        self.prefix_aware = prefix_aware
+        # Access key -> secret: what bearer tokens on the OpenAI path must be signed with.
+        self.credentials = dict(credentials or {"local": "local"})
+        self.replies = Replies(name, region, account)
         self._requested_port = port
         self.router = StickyRouter(len(self.instances), name, enforce_expiry=enforce_expiry)
         n = 8 * len(self.instances) + 8
@@ -165,6 +179,9 @@ class LocalRuntime:
                     "ValidationError",
                     f"Endpoint {name} of account {self.account} not found.",
                 )
+            if operation == OPENAI:
+                now = datetime.now(timezone.utc)
+                check_bearer(h.headers.get("Authorization"), self.region, self.credentials, now)
             if length > MAX_BODY_BYTES:
                 raise Refusal(
                     413,
@@ -172,45 +189,58 @@ class LocalRuntime:
                     f"Request body is {length} bytes; the limit is {MAX_BODY_BYTES}.",
                 )
             streaming = operation == "invocations-response-stream"
-            sid = h.headers.get(SESSION_HEADER)
+            sid = h.headers.get(SESSION_HEADER) if operation != OPENAI else None
             sid = sid.strip() if sid is not None else None
             check_session_id(sid, streaming)
             target = None if sid is None or sid == NEW_SESSION else sid
-            index = self.router.pick() if target is None else self.router.lookup(target)
-            headers = self._forward_headers(h, streaming)
+            index = self.router.lookup(target) if target else self._pick(h, body, operation)
+            headers = self._forward_headers(h, streaming, operation == OPENAI)
             tried: set[int] = set()
             while True:  # an instance that is gone or draining: the next one takes it
-                url = self.instances[index] + "/invocations"
+                base = self.instances[index]
                 try:
                     with self.router.in_flight(index):
-                        if streaming:
-                            self._stream(h, url, body, headers)
+                        if operation == OPENAI:
+                            self._relay(h, base + OPENAI_CONTAINER_PATH, body, headers)
+                        elif streaming:
+                            self._stream(h, base + "/invocations", body, headers)
                         else:
+                            url = base + "/invocations"
                             self._invoke(h, url, body, headers, index, target is None)
                     return
                 except InstanceGone:
                     tried.add(index)
                     self.router.down(index)
                     if len(tried) == len(self.instances):
-                        raise self._unreachable(ConnectionError("every instance")) from None
+                        raise self.replies.unreachable(ConnectionError("every instance")) from None
                     index = self.router.move(target, index, frozenset(tried))
         except Refusal as refusal:
-            self._refuse(h, refusal)
+            self.replies.refuse(h, refusal, openai=OPENAI in h.path)
         except (BrokenPipeError, ConnectionResetError):
             h.close_connection = True
         except Exception as exc:  # a bug here: answer like the service would, keep serving
             log.exception("local runtime failed on %s", h.path)
             h.close_connection = True
-            self._refuse(h, Refusal(500, "InternalFailure", f"{type(exc).__name__}: {exc}"))
+            self.replies.refuse(h, Refusal(500, "InternalFailure", f"{type(exc).__name__}: {exc}"))
+
+    def _pick(self, h: _Handler, body: bytes, operation: str) -> int:
+        """The instance for a request without a session: by its prefix where the endpoint routes
+        prefix-aware (a body's bytes; an OpenAI chat's text), else the least busy."""
+        if self.prefix_aware is None:
+            return self.router.pick()
+        aware_id = h.headers.get(PREFIX_AWARE_ID_HEADER)
+        chain = self.prefix_aware.chain(body, aware_id, chat=operation == OPENAI)
+        return self.router.pick_by_prefix(chain, self.prefix_aware.concurrency_threshold)
 
     @staticmethod
-    def _forward_headers(h: _Handler, streaming: bool) -> dict[str, str]:
-        """Only the API's own request headers reach the container."""
+    def _forward_headers(h: _Handler, streaming: bool, openai: bool) -> dict[str, str]:
+        """Only the API's own request headers reach the container (on the OpenAI path, whose
+        docs name no session, only the body's type)."""
         out = {"Content-Type": h.headers.get("Content-Type") or "application/octet-stream"}
         accept = h.headers.get("X-Amzn-SageMaker-Accept" if streaming else "Accept")
         if accept:
             out["Accept"] = accept
-        for name in (SESSION_HEADER, CUSTOM_ATTRIBUTES_HEADER):
+        for name in () if openai else (SESSION_HEADER, CUSTOM_ATTRIBUTES_HEADER):
             value = h.headers.get(name)
             if value is not None:
                 out[name] = value.strip()
@@ -232,7 +262,7 @@ class LocalRuntime:
         if is_draining(r.status_code, r.content):
             raise InstanceGone()
         if r.status_code >= 400:
-            self._model_error(h, r.status_code, r.content)
+            self.replies.model_error(h, r.status_code, r.content)
             return
         out = {"Content-Type": r.headers.get("Content-Type", "application/json")}
         new = r.headers.get(NEW_SESSION_HEADER)
@@ -250,7 +280,7 @@ class LocalRuntime:
             out[CLOSED_SESSION_HEADER] = closed.strip()
         if CUSTOM_ATTRIBUTES_HEADER in r.headers:
             out[CUSTOM_ATTRIBUTES_HEADER] = r.headers[CUSTOM_ATTRIBUTES_HEADER]
-        self._send(h, 200, out, r.content)
+        send(h, 200, out, r.content)
 
     def _stream(self, h: _Handler, url: str, body: bytes, headers: dict[str, str]) -> None:
         request = self._http.build_request("POST", url, content=body, headers=headers)
@@ -263,10 +293,10 @@ class LocalRuntime:
                 r.read()
                 if is_draining(r.status_code, r.content):
                     raise InstanceGone()
-                self._model_error(h, r.status_code, r.content)
+                self.replies.model_error(h, r.status_code, r.content)
                 return
             h.send_response(200)
-            self._common_headers(h)
+            common_headers(h)
             h.send_header("Content-Type", EVENTSTREAM_CONTENT_TYPE)
             h.send_header(
                 "X-Amzn-SageMaker-Content-Type",
@@ -282,6 +312,38 @@ class LocalRuntime:
         finally:
             r.close()
 
+    def _relay(self, h: _Handler, url: str, body: bytes, headers: dict[str, str]) -> None:
+        """The OpenAI path: the container's reply as is, status and body (server-sent events
+        relayed as they arrive), as SageMaker returns it."""
+        request = self._http.build_request("POST", url, content=body, headers=headers)
+        try:
+            r = self._http.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise self._gone_or_unreachable(url, exc) from exc
+        try:
+            if r.status_code == 503:
+                r.read()
+                if is_draining(r.status_code, r.content):
+                    raise InstanceGone()
+            h.send_response(r.status_code)
+            common_headers(h)
+            h.send_header("Content-Type", r.headers.get("Content-Type", "application/json"))
+            h.send_header("Transfer-Encoding", "chunked")
+            h.end_headers()
+            if r.is_stream_consumed:
+                write_chunk(h, r.content)
+            else:
+                for chunk in r.iter_raw():
+                    if chunk:
+                        write_chunk(h, chunk)
+            write_chunk(h, b"")
+        except httpx.HTTPError:
+            h.close_connection = True  # the container broke off: so does the reply
+        except (BrokenPipeError, ConnectionResetError):
+            h.close_connection = True  # the client went away: closing `r` tells the container
+        finally:
+            r.close()
+
     def _gone_or_unreachable(self, url: str, exc: httpx.HTTPError) -> Exception:
         """An instance that refused the connection, or dropped it and no longer answers /ping,
         is gone (its sessions go elsewhere); any other failure is the container's."""
@@ -291,75 +353,13 @@ class LocalRuntime:
             and not self._answers_ping(url.rsplit("/", 1)[0])
         ):
             return InstanceGone()
-        return self._unreachable(exc)
+        return self.replies.unreachable(exc)
 
     def _answers_ping(self, base: str) -> bool:
         try:
             return self._http.get(base + "/ping", timeout=2.0).status_code == 200
         except httpx.HTTPError:
             return False
-
-    def _unreachable(self, exc: Exception) -> Refusal:
-        # A container that does not answer in time is reported as a ModelError without an
-        # OriginalStatusCode (SageMaker words it "server error (0)").
-        message = (
-            'Received server error (0) from primary with message "Your invocation timed out '
-            f'while waiting for a response from container primary." ({type(exc).__name__})'
-        )
-        return Refusal(424, "ModelError", message, LogStreamArn=self._log_stream_arn())
-
-    def _log_stream_arn(self) -> str:
-        return (
-            f"arn:aws:logs:{self.region}:{self.account}:log-group:/aws/sagemaker/Endpoints/"
-            f"{self.name}"
-        )
-
-    def _model_error(self, h: _Handler, status: int, content: bytes) -> None:
-        text = content.decode("utf-8", "replace")
-        kind = "client" if status < 500 else "server"
-        message = (
-            f'Received {kind} error ({status}) from primary with message "{text}". See '
-            f"https://{self.region}.console.aws.amazon.com/cloudwatch/home?region={self.region}"
-            f"#logEventViewer:group=/aws/sagemaker/Endpoints/{self.name} in account "
-            f"{self.account} for more information."
-        )
-        self._refuse(
-            h,
-            Refusal(
-                424,
-                "ModelError",
-                message,
-                OriginalStatusCode=status,
-                OriginalMessage=text,
-                LogStreamArn=self._log_stream_arn(),
-            ),
-        )
-
-    def _refuse(self, h: _Handler, refusal: Refusal) -> None:
-        """An error in the shape botocore's rest-json parser reads: code in x-amzn-ErrorType."""
-        body = json.dumps({"Message": refusal.message, **refusal.fields}).encode()
-        headers = {
-            "Content-Type": "application/json",
-            "x-amzn-ErrorType": f"{refusal.error_type}:{_CORAL}",
-        }
-        self._send(h, refusal.status, headers, body)
-
-    def _common_headers(self, h: _Handler) -> None:
-        h.send_header("x-amzn-RequestId", str(uuid.uuid4()))
-        h.send_header("x-Amzn-Invoked-Production-Variant", "AllTraffic")
-
-    def _send(self, h: _Handler, status: int, headers: Mapping[str, str], body: bytes) -> None:
-        try:
-            h.send_response(status)
-            self._common_headers(h)
-            for key, value in headers.items():
-                h.send_header(key, value)
-            h.send_header("Content-Length", str(len(body)))
-            h.end_headers()
-            h.wfile.write(body)
-            h.wfile.flush()
-        except (BrokenPipeError, ConnectionResetError):
-            h.close_connection = True
 
 
 class _Server(ThreadingHTTPServer):
@@ -386,10 +386,10 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:  # noqa: N802
         if urlsplit(self.path).path == "/ping":
-            self.server.runtime._send(self, 200, {"Content-Type": "text/plain"}, b"")
+            send(self, 200, {"Content-Type": "text/plain"}, b"")
             return
         refusal = Refusal(404, "UnknownOperationException", f"no operation at {self.path}")
-        self.server.runtime._refuse(self, refusal)
+        self.server.runtime.replies.refuse(self, refusal)
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
         log.debug("%s %s", self.address_string(), format % args)

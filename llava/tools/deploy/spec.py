@@ -171,7 +171,7 @@ class DeploySpec:
                 raise ValueError(f"{attr} must be an integer from {low} to {high}, got {value!r}")
 
     def routing_config(self) -> dict[str, Any] | None:
-        """The variant's RoutingConfig; an inference component's copies default to the least busy."""
+        """The variant's RoutingConfig (an inference component's copies: the least busy)."""
         routing = self.routing or ("least-outstanding" if self.inference_component else None)
         if routing is None:
             return None
