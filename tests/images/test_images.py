@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 from containers import IMAGES, Container, docker
 from PIL import Image, PngImagePlugin
@@ -273,6 +274,40 @@ def test_the_image_s_cli_works_in_the_image(served: Served) -> None:
     assert "--model" in docker(
         "exec", served.container.name, "python", "-m", "llava", command, "-h"
     )
+
+
+def test_sagemaker_s_openai_path_reaches_the_container(served: Served) -> None:
+    """The openai SDK on an endpoint's OpenAI-compatible path (bearer token, whole and streamed
+    answers) through the local runtime, which hands the chat to the container's /invocations."""
+    from helpers import sagemaker_token
+
+    from llava.fronts.local_runtime.server import LocalRuntime
+
+    chat = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": PICTURE}},
+                {"type": "text", "text": QUESTION},
+            ],
+        }
+    ]
+    with LocalRuntime([served.container.url], credentials={"test": "test"}) as runtime:
+        client = openai.OpenAI(
+            base_url=f"{runtime.url}/endpoints/llava/openai/v1",
+            api_key=sagemaker_token("test", "test", "us-east-1"),
+            max_retries=0,
+            timeout=120,
+        )
+        whole = client.chat.completions.create(model="", messages=chat, temperature=0)  # type: ignore[arg-type]
+        chunks = client.chat.completions.create(
+            model="",
+            messages=chat,
+            temperature=0,
+            stream=True,  # type: ignore[arg-type]
+        )
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert whole.choices[0].message.content == streamed == ANSWERS[0]
 
 
 def test_no_aws_credentials_or_sdk_variables_reach_the_container(served: Served) -> None:
