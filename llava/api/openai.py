@@ -26,6 +26,9 @@ from llava.core.params import GenerationParams, Limits
 
 MAX_STOP_SEQUENCES = 4
 MAX_MESSAGES = 257  # a system prompt and 128 question/answer pairs
+MAX_UUID = 256
+# How an image sent by its uuid alone is referred to inside the kit (never a URL it fetches).
+HANDLE = "llava-image-handle:"
 Message = dict[str, Any]  # one message in transformers' chat format
 
 _ACCEPTED = {
@@ -103,6 +106,20 @@ class ChatCompletion:
     # vLLM's field: a tenant's own namespace. A header-less chat reuses only what was held for
     # chats with the same salt, so one tenant's chats cannot learn what another's held.
     cache_salt: str | None = None
+    # Each image's `uuid` (vLLM's form), None where it has none; an image sent by uuid alone is
+    # a handle (`is_handle`) to a picture the instance holds of this conversation.
+    image_uuids: tuple[str | None, ...] = ()
+
+    @property
+    def handles(self) -> dict[int, str]:
+        """The images named by uuid alone: index -> uuid."""
+        pairs = enumerate(self.refs_and_uuids)
+        return {i: uuid for i, (ref, uuid) in pairs if uuid is not None and is_handle(ref)}
+
+    @property
+    def refs_and_uuids(self) -> list[tuple[str, str | None]]:
+        uuids = self.image_uuids or (None,) * len(self.images)
+        return [(ref, uuid) for ref, uuid in zip(self.images, uuids, strict=True)]
 
     @property
     def image_key(self) -> str:
@@ -120,20 +137,45 @@ def message_text(message: Message) -> str:
     return "".join(p["text"] for p in message["content"] if p["type"] == "text")
 
 
+def is_handle(ref: str) -> bool:
+    """Whether an image reference names a picture by its uuid alone (no bytes, no URL)."""
+    return ref.startswith(HANDLE)
+
+
 def image_key(ref: str) -> str:
     """Return a digest of an image reference (URL or inline data)."""
     return hashlib.sha256(ref.strip().encode()).hexdigest()
 
 
-def chat_info(key: str, system_prompt: str | None) -> dict[str, Any]:
-    """Return what a session keeps of its opening (the image's `image_key`), to recognise its
-    chat when it is re-sent."""
-    return {"image_key": key, "system_prompt": system_prompt}
+def chat_info(
+    key: str, system_prompt: str | None, request: ChatCompletion | None = None
+) -> dict[str, Any]:
+    """Return what a session keeps of its opening (the image's `image_key`, and each image's
+    key and uuid), to recognise its chat when it is re-sent."""
+    info: dict[str, Any] = {"image_key": key, "system_prompt": system_prompt}
+    if request is not None and any(request.image_uuids):
+        info["image_keys"] = [image_key(ref) for ref in request.images]
+        info["image_uuids"] = list(request.image_uuids)
+    return info
+
+
+def _same_images(info: Mapping[str, Any], request: ChatCompletion) -> bool:
+    """Whether a chat's images are its session's: sent again, or named by the uuid they were
+    opened with (a uuid sent with other bytes is another image)."""
+    if info.get("image_key") == request.image_key:
+        return True
+    keys, uuids = info.get("image_keys"), info.get("image_uuids")
+    if not request.handles or keys is None or uuids is None or len(keys) != len(request.images):
+        return False
+    return all(
+        uuid == uuids[i] if is_handle(ref) else image_key(ref) == keys[i]
+        for i, (ref, uuid) in enumerate(request.refs_and_uuids)
+    )
 
 
 def check_same_chat(info: Mapping[str, Any], request: ChatCompletion) -> None:
     """Refuse a chat whose image or system prompt is not the session's own."""
-    if info.get("image_key") != request.image_key:
+    if not _same_images(info, request):
         raise InvalidRequest(
             "this session was opened with another image: re-send the session's own image in the "
             f"first user message, or start a new session ({SESSION_HEADER}: {NEW_SESSION})",
@@ -163,7 +205,7 @@ def parse_chat_completion(
             raise InvalidRequest(f"unknown field {name!r} for a chat completion", field=name)
     if obj.get("n", 1) != 1:
         raise InvalidRequest('"n" must be 1: one answer per request', field="n")
-    system_prompt, chat, images = _conversation(obj.get("messages"), limits)
+    system_prompt, chat, images, uuids = _conversation(obj.get("messages"), limits)
     return ChatCompletion(
         images=images,
         system_prompt=system_prompt,
@@ -174,14 +216,15 @@ def parse_chat_completion(
         model=_model(obj),
         session=_session(obj, headers),
         cache_salt=_cache_salt(obj),
+        image_uuids=uuids if any(uuids) else (),
     )
 
 
 def _conversation(
     messages: Any, limits: Limits
-) -> tuple[str | None, tuple[Message, ...], tuple[str, ...]]:
+) -> tuple[str | None, tuple[Message, ...], tuple[str, ...], tuple[str | None, ...]]:
     """Return the system prompt, the other messages in the chat template's format, and the
-    image references in order.
+    image references and their uuids in order.
 
     Whatever OpenAI accepts is taken: string or list content, several text parts, an image in
     any user message (alone or beside text), consecutive messages of one role, and an assistant
@@ -195,6 +238,7 @@ def _conversation(
     system_prompt = None
     chat: list[Message] = []
     images: list[str] = []
+    uuids: list[str | None] = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
@@ -207,7 +251,7 @@ def _conversation(
         content = message.get("content")
         if content is None and role == "assistant":
             content = ""  # OpenAI allows a null assistant content
-        parts, refs = _content(content, where, limits, images_allowed=role == "user")
+        parts, refs, named = _content(content, where, limits, images_allowed=role == "user")
         if role in ("system", "developer"):
             if i != 0:
                 raise InvalidRequest(f"{where}: a system message comes first", field=where)
@@ -215,15 +259,17 @@ def _conversation(
             continue
         chat.append({"role": role, "content": parts})
         images += refs
+        uuids += named
     if not chat or chat[-1]["role"] != "user":
         raise InvalidRequest("the last message must be the user's", field="messages")
-    return system_prompt, tuple(chat), tuple(images)
+    return system_prompt, tuple(chat), tuple(images), tuple(uuids)
 
 
 def _content(
     content: Any, where: str, limits: Limits, *, images_allowed: bool
-) -> tuple[list[dict[str, str]], list[str]]:
-    """Return a message's parts in the chat template's format, and its image references."""
+) -> tuple[list[dict[str, str]], list[str], list[str | None]]:
+    """Return a message's parts in the chat template's format, its image references, and
+    their uuids."""
     if isinstance(content, str):
         raw: list[Any] = [{"type": "text", "text": content}]
     elif isinstance(content, list) and content:
@@ -234,24 +280,44 @@ def _content(
         )
     parts: list[dict[str, str]] = []
     refs: list[str] = []
+    uuids: list[str | None] = []
     for part in raw:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "text" and isinstance(part.get("text"), str):
             parts.append({"type": "text", "text": part["text"]})
         elif kind == "image_url" and images_allowed:
+            uuid = _uuid(part.get("uuid"), where)
             url = part.get("image_url")
             url = url.get("url") if isinstance(url, dict) else url
-            if not isinstance(url, str) or not url.strip():
-                raise InvalidRequest(f'{where}: "image_url" needs a "url"', field=where)
+            if url is None and uuid is not None:
+                url = HANDLE + uuid  # a picture sent before: resolved by what the instance holds
+            elif not isinstance(url, str) or not url.strip() or is_handle(url):
+                raise InvalidRequest(
+                    f'{where}: "image_url" needs a "url" (or, for a picture sent before with a '
+                    '"uuid", null and that "uuid")',
+                    field=where,
+                )
             parts.append({"type": "image"})
             refs.append(url)
+            uuids.append(uuid)
         elif kind == "image_url":
             raise InvalidRequest(f"{where}: only user messages carry images", field=where)
         else:
             raise InvalidRequest(f'{where}: parts are "text" or "image_url"', field=where)
     if sum(len(p.get("text", "")) for p in parts) > limits.max_prompt_chars:
         raise InvalidRequest(f"{where}: longer than {limits.max_prompt_chars} chars", field=where)
-    return parts, refs
+    return parts, refs, uuids
+
+
+def _uuid(value: Any, where: str) -> str | None:
+    """An image part's `uuid`: a client's name for a picture, to send it by that name later."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 1 <= len(value) <= MAX_UUID or not value.isprintable():
+        raise InvalidRequest(
+            f'{where}: an image\'s "uuid" is 1 to {MAX_UUID} printable characters', field=where
+        )
+    return value
 
 
 def _params(obj: Mapping[str, Any], limits: Limits) -> GenerationParams:

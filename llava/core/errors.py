@@ -82,6 +82,17 @@ class ImageTooLarge(ImageError):
     status, code = 413, "image_too_large"
 
 
+class UnknownImageHandle(ImageError):
+    """A picture named by its uuid alone that this instance does not hold for this chat."""
+
+    code = "unknown_image_handle"
+
+
+SEND_PICTURE_AGAIN = (
+    "send the picture again with its bytes (an image_url with its url) and its uuid"
+)
+
+
 class SessionError(KitError):
     status, code = 400, "session_error"
 

@@ -14,11 +14,11 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
-from llava.core.errors import KitError
+from llava.core.errors import SEND_PICTURE_AGAIN, KitError, UnknownImageHandle
 from llava.images.digest import content_digest
 from llava.images.processes import ImageProcesses
 from llava.images.refs import is_inline
@@ -78,20 +78,29 @@ class BackgroundImages:
         pool = self._local if is_inline(ref) else self._fetch
         return pool.submit(self._load, ref, list(earlier))
 
-    def submit_all(self, refs: Sequence[str], known: Callable[[str], bool] | None = None) -> Future:
+    def submit_all(
+        self,
+        refs: Sequence[str],
+        known: Callable[[str], bool] | None = None,
+        named: Mapping[int, str] | None = None,
+    ) -> Future:
         """Load a conversation's images (any number) and prepare them together.
 
         The future holds (prepared images or None, content digest). Given `known`, the digest
         identifies the images by their files' bytes, however they were sent, and the images
         are not prepared (no processor, no vision tower) when `known(digest)` says a session
-        holds them already; without it nothing is hashed and the digest is "".
+        holds them already; without it nothing is hashed and the digest is "". `named` gives
+        the digests of images sent without bytes (by their index): those are never read, and
+        if no session holds them the future fails with `UnknownImageHandle`.
         """
         if not refs:
             ready: Future = Future()
             ready.set_result((None, ""))
             return ready
-        pool = self._local if all(is_inline(r) for r in refs) else self._fetch
-        return pool.submit(self._load_all, list(refs), known)
+        named = dict(named or {})
+        local = all(is_inline(r) or i in named for i, r in enumerate(refs))
+        pool = self._local if local else self._fetch
+        return pool.submit(self._load_all, list(refs), known, named)
 
     def close(self) -> None:
         """Stop the threads and processes, dropping loads not yet started."""
@@ -104,12 +113,21 @@ class BackgroundImages:
         with _naming_image():
             return self._prepared(self._source.read(ref), earlier)
 
-    def _load_all(self, refs: list[str], known: Callable[[str], bool] | None) -> tuple[Any, str]:
+    def _load_all(
+        self, refs: list[str], known: Callable[[str], bool] | None, named: dict[int, str]
+    ) -> tuple[Any, str]:
         with _naming_image():
-            data = [self._source.read(ref) for ref in refs]
-            digest = "+".join(content_digest(d) for d in data) if known is not None else ""
+            data = [None if i in named else self._source.read(ref) for i, ref in enumerate(refs)]
+            digests = [named.get(i) or content_digest(d) for i, d in enumerate(data)]
+            digest = "+".join(digests) if known is not None else ""
             if known is not None and known(digest):
                 return None, digest
+            if named:
+                raise UnknownImageHandle(
+                    "no conversation this instance holds has the pictures named: "
+                    + SEND_PICTURE_AGAIN,
+                    field="messages",
+                )
             earlier = [self._source.decoder(d) for d in data[:-1]]  # processed with the last
             return self._prepared(data[-1], earlier), digest
 

@@ -21,12 +21,18 @@ from collections.abc import Callable
 from typing import Generic
 
 from llava.api.headers import NEW_SESSION
-from llava.api.openai import ChatCompletion, check_same_chat
+from llava.api.openai import ChatCompletion, check_same_chat, is_handle
 from llava.api.openai_replies import OpenAIReplies
 from llava.api.replies import Replies, Reply, as_kit_error, error_reply
-from llava.core.errors import CapacityExceeded
+from llava.core.errors import (
+    SEND_PICTURE_AGAIN,
+    CapacityExceeded,
+    InvalidRequest,
+    UnknownImageHandle,
+)
 from llava.images.background import BackgroundImages
 from llava.server.contract import Engine, StateT, TurnT
+from llava.server.image_handles import ImageHandles
 from llava.server.inflight import Answering, Fetching
 from llava.server.opening import SessionOpener
 from llava.sessions.session import Session, Slot
@@ -50,14 +56,22 @@ class ChatDesk(Generic[StateT, TurnT]):
         self.opener = opener
         self.images = images
         self._held: dict[str, list[str]] = {}  # conversation key -> session ids, newest last
+        self.handles = ImageHandles()
 
     def admit(self, request: ChatCompletion) -> Fetching | Answering[TurnT]:
         """Start a chat: fetch its image (header-less or opening), or answer in its session."""
         replies = OpenAIReplies(request.model, request.include_usage)
+        salt = request.cache_salt
         if request.session is None:
-            image = self.images.submit_all(request.images, self._is_held(request))
+            named = {i: self.handles.resolve(salt, u) for i, u in request.handles.items()}
+            image = self.images.submit_all(request.images, self._is_held(request), named)
             return Fetching(request, image, replies=replies)
         if request.session == NEW_SESSION:
+            if request.handles:
+                raise InvalidRequest(
+                    "a session opens with its pictures' bytes, not their uuids alone",
+                    field="messages",
+                )
             return self.opener.fetch(request, replies)
         session = self.store.begin_turn(request.session)
         try:
@@ -101,6 +115,7 @@ class ChatDesk(Generic[StateT, TurnT]):
         request, replies = work.request, work.replies
         assert isinstance(request, ChatCompletion) and replies is not None
         prepared, digest = work.image.result()
+        self._bind(request, digest)  # a uuid sent with other bytes than before: refused here
         key = self._key(digest, request)
         chat = request.chat
         best: tuple[int, bool, Session] | None = None
@@ -108,6 +123,12 @@ class ChatDesk(Generic[StateT, TurnT]):
             held, carries = self.engine.held_of_chat(session.state, chat)
             if best is None or held > best[0]:
                 best = (held, carries, session)
+        if request.handles and (best is None or not best[1]):  # only the caller's own chat
+            raise UnknownImageHandle(
+                "a picture named by its uuid alone is resolved only in a chat that carries on "
+                "a conversation this instance holds: " + SEND_PICTURE_AGAIN,
+                field="messages",
+            )
         if best is not None and best[1] and not best[2].busy:
             session = self.store.begin_turn(best[2].id)
             try:
@@ -136,6 +157,13 @@ class ChatDesk(Generic[StateT, TurnT]):
             for key in list(self._held):
                 self._candidates(key)
         return True
+
+    def _bind(self, request: ChatCompletion, digest: str) -> None:
+        """Name each picture sent with bytes and a uuid by its content, for later turns."""
+        digests = digest.split("+") if digest else []
+        for i, (ref, uuid) in enumerate(request.refs_and_uuids):
+            if uuid is not None and not is_handle(ref) and i < len(digests):
+                self.handles.bind(request.cache_salt, uuid, digests[i])
 
     def _answer_kept(
         self, state: StateT, request: ChatCompletion, replies: Replies, key: str

@@ -73,7 +73,8 @@ class SessionOpener(Generic[StateT, TurnT]):
             key = request.image_key
         else:
             key = image_key(request.image or "")
-        info = chat_info(key, request.system_prompt)
+        chat = request if isinstance(request, ChatCompletion) else None
+        info = chat_info(key, request.system_prompt, chat)
         return Opening(request, work.slot, state, turn, info, work.replies)
 
     def finish(self, work: Opening[StateT, TurnT]) -> Session | Reply:
