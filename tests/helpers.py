@@ -497,20 +497,15 @@ def wait_for(condition: Callable[[], bool], what: str, timeout_s: float) -> None
 def sagemaker_token(
     access_key: str, secret: str, region: str, *, expires: int = 43200, session: str | None = None
 ) -> str:
-    """A bearer token as `sagemaker.core.token_generator.generate_token` makes one (the same
-    botocore presigning, step for step; that SDK pulls pandas and scipy, so it is not a test
-    dependency): `sagemaker-api-key-` + base64 of the presigned URL + `&Version=1`."""
-    from botocore.auth import SigV4QueryAuth
-    from botocore.awsrequest import AWSRequest
-    from botocore.credentials import Credentials
+    """A bearer token from AWS's own generator (`sagemaker.core.token_generator`), signed with
+    these credentials."""
+    from datetime import timedelta
 
-    request = AWSRequest(
-        method="POST",
-        url="https://sagemaker.amazonaws.com/",
-        headers={"host": "sagemaker.amazonaws.com"},
-        params={"Action": "CallWithBearerToken"},
-    )
-    credentials = Credentials(access_key, secret, session)
-    SigV4QueryAuth(credentials, "sagemaker", region, expires=expires).add_auth(request)
-    presigned = request.url.replace("https://", "") + "&Version=1"
-    return "sagemaker-api-key-" + base64.b64encode(presigned.encode()).decode()
+    from botocore.credentials import CredentialProvider, Credentials
+    from sagemaker.core.token_generator import generate_token
+
+    class Given(CredentialProvider):  # type: ignore[misc]
+        def load(self) -> Credentials:
+            return Credentials(access_key, secret, session)
+
+    return str(generate_token(region, Given(), timedelta(seconds=expires)))

@@ -179,7 +179,6 @@ def test_parse_s3_uri() -> None:
         ({"routing": "sticky"}, "routing 'sticky': one of"),
         ({"routing": "prefix-aware", "prefix_length": 512}, "prefix_length must be .* 1024 to"),
         ({"concurrency_threshold": 0}, "concurrency_threshold must be an integer from 1"),
-        ({"inference_component": True, "routing": "random"}, "not offered for inference comp"),
     ],
 )
 def test_spec_rejects_bad_values_before_any_call(overrides: dict, message: str) -> None:

@@ -6,17 +6,24 @@ test_prefix_routing.py)."""
 
 from __future__ import annotations
 
+import base64
+import io
 import json
+import re
 from datetime import datetime, timedelta, timezone
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from helpers import sagemaker_token
 
-from llava.fronts.local_runtime.bearer import check_bearer
+from llava.api.headers import SESSION_HEADER
+from llava.fronts.local_runtime.bearer import TOKEN_PREFIX, check_bearer
 from llava.fronts.local_runtime.errors import Refusal
 from llava.fronts.local_runtime.prefix import BLOCK, PrefixAware
 from llava.fronts.local_runtime.router import StickyRouter
+from llava.fronts.local_runtime.server import LocalRuntime
+from llava.fronts.local_runtime.wire import read_body
 
 ROUTING = PrefixAware(prefix_length=1024, concurrency_threshold=2)
 PICTURE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
@@ -68,6 +75,27 @@ def test_follow_ups_go_where_the_chat_went_until_its_instance_is_busy_or_gone() 
     assert router.pick_by_prefix(a2, 2) == first_a  # its instance is out of rotation
 
 
+def _retoken(token: str, change: Any) -> str:
+    """The token with its presigned URL's query changed."""
+    host, _, query = base64.b64decode(token[len(TOKEN_PREFIX) :]).decode().partition("/?")
+    return TOKEN_PREFIX + base64.b64encode(f"{host}/?{change(query)}".encode()).decode()
+
+
+def test_the_openai_path_forwards_no_session_header_and_big_bodies_are_not_read() -> None:
+    headers = {"Content-Type": "application/json", SESSION_HEADER: "abc", "Accept": "*/*"}
+    handler = SimpleNamespace(headers=headers)
+    assert LocalRuntime._forward_headers(handler, False, True) == {  # type: ignore[arg-type]
+        "Content-Type": "application/json",
+        "Accept": "*/*",
+    }
+    assert LocalRuntime._forward_headers(handler, False, False)[SESSION_HEADER] == "abc"  # type: ignore[arg-type]
+    body = io.BytesIO(b"x" * 100)
+    big = SimpleNamespace(headers={"Content-Length": "100"}, rfile=body)
+    with pytest.raises(Refusal, match="100 bytes; the limit is 10") as caught:
+        read_body(big, 10)  # type: ignore[arg-type]
+    assert caught.value.status == 413 and body.tell() == 0
+
+
 def test_a_bearer_token_opens_the_path_only_when_aws_would_take_it() -> None:
     now = datetime.now(timezone.utc)
     keys = {"test": "test"}
@@ -88,7 +116,19 @@ def test_a_bearer_token_opens_the_path_only_when_aws_would_take_it() -> None:
         with pytest.raises(Refusal, match=words) as caught:
             check_bearer(header, "us-east-1", keys, now)
         assert caught.value.status == status
+    for tampered, words in [
+        (lambda url: "Action=Junk&" + url, "repeated"),
+        (lambda url: url.replace("&Version=1", ""), "not a SageMaker bearer token"),
+        (lambda url: re.sub("Signature=[0-9a-f]+", "Signature=%C3%A9", url), "signature"),
+        (lambda url: re.sub(r"Date=\d{8}", "Date=20990101", url), "credential's date"),
+    ]:
+        with pytest.raises(Refusal, match=words) as caught:
+            check_bearer(f"Bearer {_retoken(good, tampered)}", "us-east-1", keys, now)
+        assert caught.value.status == 403
+    with pytest.raises(Refusal, match="dated in the future"):
+        check_bearer(f"Bearer {good}", "us-east-1", keys, now - timedelta(minutes=6))
     short = sagemaker_token("test", "test", "us-east-1", expires=60)
-    assert check_bearer(f"Bearer {short}", "us-east-1", keys, now + timedelta(seconds=59))
+    made = datetime.now(timezone.utc).replace(microsecond=0)  # its X-Amz-Date, to the second
+    assert check_bearer(f"Bearer {short}", "us-east-1", keys, made + timedelta(seconds=58))
     with pytest.raises(Refusal, match="expired"):
-        check_bearer(f"Bearer {short}", "us-east-1", keys, now + timedelta(seconds=61))
+        check_bearer(f"Bearer {short}", "us-east-1", keys, made + timedelta(seconds=62))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import binascii
 import hmac
+import re
 from collections.abc import Mapping
 from datetime import datetime, timezone
 from urllib.parse import parse_qsl
@@ -26,7 +27,9 @@ TOKEN_PREFIX = "sagemaker-api-key-"
 HOST = "sagemaker.amazonaws.com"
 SERVICE = "sagemaker"
 MAX_EXPIRES_S = 43200
+MAX_CLOCK_SKEW_S = 300  # a token dated later than this ahead of the clock is refused
 _UNSIGNED = ("X-Amz-Signature", "Version")  # Version is appended after signing
+_SIGNATURE = re.compile(r"[0-9a-f]{64}")
 
 
 def check_bearer(
@@ -44,10 +47,17 @@ def check_bearer(
         )
     query = _presigned_query(token.strip())
     fields = dict(query)
+    if len(fields) != len(query):
+        raise _invalid("a field of it is repeated")
     scope = fields.get("X-Amz-Credential", "").split("/")
-    if fields.get("Action") != "CallWithBearerToken" or len(scope) != 5 or scope[3] != SERVICE:
+    if (
+        fields.get("Action") != "CallWithBearerToken"
+        or fields.get("Version") != "1"
+        or len(scope) != 5
+        or scope[3:] != [SERVICE, "aws4_request"]
+    ):
         raise _invalid("it is not a SageMaker bearer token")
-    access_key, _, token_region = scope[0], scope[1], scope[2]
+    access_key, day, token_region = scope[0], scope[1], scope[2]
     if token_region != region:
         raise _invalid(f"it was made for {token_region}, this endpoint is in {region}")
     try:
@@ -57,14 +67,19 @@ def check_bearer(
         expires = int(fields["X-Amz-Expires"])
     except (KeyError, ValueError):
         raise _invalid("its date or expiry is missing") from None
+    if day != fields["X-Amz-Date"][:8]:
+        raise _invalid("its credential's date is not its own")
+    if (signed_at - now).total_seconds() > MAX_CLOCK_SKEW_S:
+        raise _invalid("it is dated in the future: check this machine's clock")
     if not 1 <= expires <= MAX_EXPIRES_S:
         raise _invalid(f"its expiry of {expires} s is outside 1-{MAX_EXPIRES_S}")
     if (now - signed_at).total_seconds() > expires:
         raise _invalid("it has expired: generate a new one")
-    secret = credentials.get(access_key)
-    if secret is None or not hmac.compare_digest(
-        _signature(query, access_key, secret, region, expires),
-        fields.get("X-Amz-Signature", ""),
+    secret, given = credentials.get(access_key), fields.get("X-Amz-Signature", "")
+    if (
+        secret is None
+        or not _SIGNATURE.fullmatch(given)
+        or not hmac.compare_digest(_signature(fields, access_key, secret, region, expires), given)
     ):
         raise _invalid("its signature does not match the credentials it names")
     return access_key
@@ -84,15 +99,14 @@ def _presigned_query(token: str) -> list[tuple[str, str]]:
 
 
 def _signature(
-    query: list[tuple[str, str]], access_key: str, secret: str, region: str, expires: int
+    fields: dict[str, str], access_key: str, secret: str, region: str, expires: int
 ) -> str:
     """SigV4's signature of the presigned request the token holds, by botocore's signer."""
-    fields = dict(query)
     request = AWSRequest(
         method="POST",
         url=f"https://{HOST}/",
         headers={"host": HOST},
-        params={key: value for key, value in query if key not in _UNSIGNED},
+        params={key: value for key, value in fields.items() if key not in _UNSIGNED},
     )
     request.context["timestamp"] = fields["X-Amz-Date"]
     credentials = ReadOnlyCredentials(access_key, secret, fields.get("X-Amz-Security-Token"))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from llava.fronts.local_runtime.errors import Refusal
 
 PREFIX_AWARE_ID_HEADER = "X-Amzn-SageMaker-Prefix-Aware-Id"
 BLOCK = 16
+_AWARE_ID = re.compile(r"\S[ -~\u00a0-\U0010ffff]{0,63}")  # 1-64 printable, not starting blank
 
 
 @dataclass(frozen=True)
@@ -42,12 +44,13 @@ class PrefixAware:
         """The request's prefix as a chain of block hashes under its prefix-aware id: an
         InvokeEndpoint body's first `prefix_length` bytes, or (`chat`, the OpenAI path) the first
         `prefix_length` characters of its messages' text in order (pictures are not text)."""
-        if aware_id is not None and not 1 <= len(aware_id) <= 64:
+        if aware_id is not None and not _AWARE_ID.fullmatch(aware_id):
             raise Refusal(
                 400,
                 "ValidationError",
                 "1 validation error detected: Value at 'prefixAwareId' failed to satisfy "
-                f"constraint: Member must have length between 1 and 64 (got {len(aware_id)})",
+                "constraint: Member must have length between 1 and 64 and match pattern "
+                r"\A\S[\p{Print}]*\z",
             )
         if chat:
             prefix = "".join(_message_texts(body))[: self.prefix_length].encode("utf-8")
@@ -88,7 +91,7 @@ def _message_texts(body: bytes) -> list[str]:
     chat has none (the container answers it with its own 4xx)."""
     try:
         messages = json.loads(body).get("messages")
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         return []
     texts: list[str] = []
     for message in messages if isinstance(messages, list) else []:

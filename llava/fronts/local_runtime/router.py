@@ -64,33 +64,32 @@ class StickyRouter:
         """The least-loaded instance in rotation (pinned sessions + requests in flight),
         round-robin on ties; `exclude` those already tried."""
         with self._lock:
-            pinned = [0] * self.size
-            for index, _ in self._routes.values():
-                pinned[index] += 1
-            now = time.monotonic()
-            order = [(self._next + k) % self.size for k in range(self.size)]
-            order = [i for i in order if i not in exclude] or order
-            order = [i for i in order if self._down_until[i] <= now] or order
-            best = min(order, key=lambda i: (pinned[i] + self._inflight[i], order.index(i)))
-            self._next = (best + 1) % self.size
-            return best
+            return self._pick_locked(exclude)
+
+    def _pick_locked(self, exclude: frozenset[int]) -> int:
+        pinned = [0] * self.size
+        for index, _ in self._routes.values():
+            pinned[index] += 1
+        now = time.monotonic()
+        order = [(self._next + k) % self.size for k in range(self.size)]
+        order = [i for i in order if i not in exclude] or order
+        order = [i for i in order if self._down_until[i] <= now] or order
+        best = min(order, key=lambda i: (pinned[i] + self._inflight[i], order.index(i)))
+        self._next = (best + 1) % self.size
+        return best
 
     def pick_by_prefix(self, chain: list[bytes], threshold: int) -> int:
         """Prefix-aware routing: where the longest known prefix of `chain` went, unless that
         instance is out of rotation or has `threshold` requests in flight; else the least busy.
-        The prefix is then known to go where this request goes."""
+        The prefix is then known to go where this request goes (one decision, under the lock)."""
         with self._lock:
             now = time.monotonic()
             usable = [i for i in range(self.size) if self._down_until[i] <= now]
             held = self._prefixes.longest(chain, usable)
-            busy = held is not None and self._inflight[held] >= threshold
-        if held is not None and not busy:
-            index = held
-        else:
-            index = self.pick(frozenset({held}) if held is not None else frozenset())
-        with self._lock:
-            self._prefixes.record(chain, index)
-        return index
+            if held is None or self._inflight[held] >= threshold:
+                held = self._pick_locked(frozenset() if held is None else frozenset({held}))
+            self._prefixes.record(chain, held)
+            return held
 
     def down(self, index: int, for_s: float = 30.0) -> None:
         """Take an instance that stopped answering out of rotation for `for_s` seconds."""

@@ -16,7 +16,10 @@ credentials) sees what it would see from a SageMaker endpoint with sticky sessio
 - a container error (status >= 400) becomes 424 `ModelError` with `OriginalStatusCode`,
   `OriginalMessage` (the container's body) and `LogStreamArn`;
 - only the API's request headers reach the container (Content-Type, Accept, the session id,
-  custom attributes), as SageMaker's router strips the rest.
+  custom attributes), as SageMaker's router strips the rest;
+- with `prefix_aware`, requests without a session id are routed as PREFIX_AWARE (prefix.py);
+- `POST /endpoints/{name}/openai/v1/chat/completions`, the OpenAI-compatible path: a bearer
+  token checked as AWS signs it (bearer.py), the container's reply relayed as it is.
 
     with TorchServe("model-store") as a, TorchServe("model-store") as b:
         with LocalRuntime([a.url(), b.url()], name="llava") as runtime:
@@ -62,9 +65,8 @@ _PATH = re.compile(
     r"/endpoints/([^/]+)/(invocations|invocations-response-stream|openai/v1/chat/completions)"
 )
 OPENAI = "openai/v1/chat/completions"
-# Where the container takes an OpenAI chat sent to the endpoint's OpenAI-compatible path: AWS
-# turned that path on for every endpoint, whose containers need serve only /invocations, and both
-# of the kit's images answer a chat there (docs/sagemaker.md says what is verified).
+# Where the container takes a chat sent to the OpenAI-compatible path: on for every endpoint,
+# whose containers need serve only /invocations (docs/sagemaker.md says what is verified).
 OPENAI_CONTAINER_PATH = "/invocations"
 
 
@@ -166,28 +168,10 @@ class LocalRuntime:
     # -- one request
 
     def _handle(self, h: _Handler) -> None:
-        body = read_body(h)
-        length = len(body)
+        operation, read = "", False
         try:
-            match = _PATH.fullmatch(urlsplit(h.path).path)
-            if match is None:
-                raise Refusal(404, "UnknownOperationException", f"no operation at {h.path}")
-            name, operation = unquote(match.group(1)), match.group(2)
-            if name != self.name:
-                raise Refusal(
-                    400,
-                    "ValidationError",
-                    f"Endpoint {name} of account {self.account} not found.",
-                )
-            if operation == OPENAI:
-                now = datetime.now(timezone.utc)
-                check_bearer(h.headers.get("Authorization"), self.region, self.credentials, now)
-            if length > MAX_BODY_BYTES:
-                raise Refusal(
-                    413,
-                    "ValidationError",
-                    f"Request body is {length} bytes; the limit is {MAX_BODY_BYTES}.",
-                )
+            operation = self._operation(h)
+            body, read = read_body(h, MAX_BODY_BYTES), True
             streaming = operation == "invocations-response-stream"
             sid = h.headers.get(SESSION_HEADER) if operation != OPENAI else None
             sid = sid.strip() if sid is not None else None
@@ -215,13 +199,31 @@ class LocalRuntime:
                         raise self.replies.unreachable(ConnectionError("every instance")) from None
                     index = self.router.move(target, index, frozenset(tried))
         except Refusal as refusal:
-            self.replies.refuse(h, refusal, openai=OPENAI in h.path)
+            h.close_connection = h.close_connection or not read  # its body was left unread
+            self.replies.refuse(h, refusal, openai=operation == OPENAI)
         except (BrokenPipeError, ConnectionResetError):
             h.close_connection = True
         except Exception as exc:  # a bug here: answer like the service would, keep serving
             log.exception("local runtime failed on %s", h.path)
             h.close_connection = True
-            self.replies.refuse(h, Refusal(500, "InternalFailure", f"{type(exc).__name__}: {exc}"))
+            failure = Refusal(500, "InternalFailure", f"{type(exc).__name__}: {exc}")
+            self.replies.refuse(h, failure, openai=operation == OPENAI)
+
+    def _operation(self, h: _Handler) -> str:
+        """The operation a request calls, its path, credentials and endpoint checked (in AWS's
+        order: a caller without a token learns nothing) before its body is read."""
+        match = _PATH.fullmatch(urlsplit(h.path).path)
+        if match is None:
+            raise Refusal(404, "UnknownOperationException", f"no operation at {h.path}")
+        name, operation = unquote(match.group(1)), match.group(2)
+        if operation == OPENAI:
+            now = datetime.now(timezone.utc)
+            check_bearer(h.headers.get("Authorization"), self.region, self.credentials, now)
+        if name != self.name:
+            raise Refusal(
+                400, "ValidationError", f"Endpoint {name} of account {self.account} not found."
+            )
+        return operation
 
     def _pick(self, h: _Handler, body: bytes, operation: str) -> int:
         """The instance for a request without a session: by its prefix where the endpoint routes

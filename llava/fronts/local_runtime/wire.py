@@ -8,6 +8,7 @@ from http.server import BaseHTTPRequestHandler
 
 import httpx
 
+from llava.fronts.local_runtime.errors import Refusal
 from llava.fronts.local_runtime.eventstream import exception_event, payload_part
 
 
@@ -35,20 +36,34 @@ def container_frames(r: httpx.Response) -> Iterator[bytes]:
         )
 
 
-def read_body(h: BaseHTTPRequestHandler) -> bytes:
-    """The request body, by Content-Length or chunked transfer coding."""
+def read_body(h: BaseHTTPRequestHandler, limit: int) -> bytes:
+    """The request body, by Content-Length or chunked transfer coding; one over `limit` bytes
+    is refused (413) without being kept."""
     if "chunked" in (h.headers.get("Transfer-Encoding") or "").lower():
         parts: list[bytes] = []
+        total = 0
         while True:
             size = int(h.rfile.readline().split(b";", 1)[0].strip() or b"0", 16)
+            total += size
+            if total > limit:
+                raise _too_large(total, limit)
             if size == 0:
                 while h.rfile.readline() not in (b"\r\n", b"\n", b""):
                     pass  # trailers
                 return b"".join(parts)
             parts.append(h.rfile.read(size))
             h.rfile.readline()
-    length = int(h.headers.get("Content-Length") or 0)
+    try:
+        length = int(h.headers.get("Content-Length") or 0)
+    except ValueError:
+        raise Refusal(400, "ValidationError", "Content-Length is not a number.") from None
+    if length > limit:
+        raise _too_large(length, limit)
     return h.rfile.read(length) if length > 0 else b""
+
+
+def _too_large(length: int, limit: int) -> Refusal:
+    return Refusal(413, "ValidationError", f"Request body is {length} bytes; the limit is {limit}.")
 
 
 def write_chunk(h: BaseHTTPRequestHandler, data: bytes) -> None:

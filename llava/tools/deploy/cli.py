@@ -13,7 +13,13 @@ from llava.tools.deploy.discover import discover_bucket, discover_role
 from llava.tools.deploy.endpoint import Deployment, deploy
 from llava.tools.deploy.errors import DeployError, EndpointExistsError
 from llava.tools.deploy.names import validate_name
-from llava.tools.deploy.spec import GPU_AMI, ROUTING, DeploySpec
+from llava.tools.deploy.spec import (
+    CONCURRENCY_THRESHOLD,
+    GPU_AMI,
+    PREFIX_LENGTH,
+    ROUTING,
+    DeploySpec,
+)
 from llava.tools.deploy.store_access import check_store_access
 from llava.tools.deploy.store_lifecycle import FRONTS_MODEL, check_apart, ensure_lifecycle
 from llava.tools.deploy.store_secret import ensure_store_secret
@@ -76,14 +82,12 @@ def add_deploy_arguments(parser: Any) -> None:
     parser.add_argument(
         "--prefix-length",
         type=int,
-        default=4096,
         help="prefix-aware routing: bytes of a body (characters of an OpenAI chat's text) it "
         "keys on (1024-65536)",
     )
     parser.add_argument(
         "--concurrency-threshold",
         type=int,
-        default=16,
         help="prefix-aware routing: requests in flight on an instance before it sends the next "
         "elsewhere (1-1024)",
     )
@@ -142,6 +146,16 @@ def _store_settings(args: Any) -> dict[str, str]:
     return out
 
 
+def _routing(args: Any) -> str | None:
+    """`--routing`; its numbers are refused without prefix-aware routing (they would do nothing)."""
+    given = args.prefix_length is not None or args.concurrency_threshold is not None
+    if given and args.routing != "prefix-aware":
+        raise ValueError(
+            "--prefix-length and --concurrency-threshold go with --routing prefix-aware"
+        )
+    return str(args.routing) if args.routing else None
+
+
 def _bucket_region(s3: Any, bucket: str) -> str:
     location = s3.get_bucket_location(Bucket=bucket).get("LocationConstraint")
     return {None: "us-east-1", "": "us-east-1", "EU": "eu-west-1"}.get(location, location)
@@ -186,9 +200,9 @@ def run_deploy(args: Any) -> Deployment:
             memory_mb=args.memory_mb,
             copy_count=args.copy_count,
             inference_ami=None if args.inference_ami == "default" else args.inference_ami,
-            routing=args.routing,
-            prefix_length=args.prefix_length,
-            concurrency_threshold=args.concurrency_threshold,
+            routing=_routing(args),
+            prefix_length=args.prefix_length or PREFIX_LENGTH,
+            concurrency_threshold=args.concurrency_threshold or CONCURRENCY_THRESHOLD,
         )
         if args.session_store:
             iam = boto3.client("iam", region_name=region)

@@ -39,6 +39,8 @@ ROUTING = {
 # characters of an OpenAI chat's message text; requests in flight on the chosen instance.
 PREFIX_LENGTH_RANGE = (1024, 65536)
 CONCURRENCY_THRESHOLD_RANGE = (1, 1024)
+PREFIX_LENGTH = 4096  # a system prompt and the start of what follows it
+CONCURRENCY_THRESHOLD = 16
 
 
 def _known_llava_env() -> dict[str, str]:
@@ -107,8 +109,8 @@ class DeploySpec:
     copy_count: int = 1
     inference_ami: str | None = GPU_AMI
     routing: str | None = None
-    prefix_length: int = 4096
-    concurrency_threshold: int = 16
+    prefix_length: int = PREFIX_LENGTH
+    concurrency_threshold: int = CONCURRENCY_THRESHOLD
 
     def __post_init__(self) -> None:
         validate_name(self.name)
@@ -160,8 +162,6 @@ class DeploySpec:
     def _check_routing(self) -> None:
         if self.routing is not None and self.routing not in ROUTING:
             raise ValueError(f"routing {self.routing!r}: one of {', '.join(ROUTING)}")
-        if self.inference_component and self.routing == "random":
-            raise ValueError("routing 'random' is not offered for inference components")
         for attr, (low, high) in (
             ("prefix_length", PREFIX_LENGTH_RANGE),
             ("concurrency_threshold", CONCURRENCY_THRESHOLD_RANGE),
