@@ -168,7 +168,7 @@ class LocalRuntime:
     # -- one request
 
     def _handle(self, h: _Handler) -> None:
-        operation, read = "", False
+        read, openai = False, urlsplit(h.path).path.endswith("/" + OPENAI)
         try:
             operation = self._operation(h)
             body, read = read_body(h, MAX_BODY_BYTES), True
@@ -200,14 +200,14 @@ class LocalRuntime:
                     index = self.router.move(target, index, frozenset(tried))
         except Refusal as refusal:
             h.close_connection = h.close_connection or not read  # its body was left unread
-            self.replies.refuse(h, refusal, openai=operation == OPENAI)
+            self.replies.refuse(h, refusal, openai=openai)
         except (BrokenPipeError, ConnectionResetError):
             h.close_connection = True
         except Exception as exc:  # a bug here: answer like the service would, keep serving
             log.exception("local runtime failed on %s", h.path)
             h.close_connection = True
             failure = Refusal(500, "InternalFailure", f"{type(exc).__name__}: {exc}")
-            self.replies.refuse(h, failure, openai=operation == OPENAI)
+            self.replies.refuse(h, failure, openai=openai)
 
     def _operation(self, h: _Handler) -> str:
         """The operation a request calls, its path, credentials and endpoint checked (in AWS's
