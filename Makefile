@@ -178,7 +178,7 @@ test-vllm: venv-vllm
 VLLM_INTEGRATION = unshare -n sh -c 'ip link set lo up && LLAVA_NETNS=1 LLAVA_TEST_ENGINE=vllm \
 	LLAVA_GPU_LOGIC=cpu $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider -rfEs $(1)'
 VLLM_INTEGRATION_IN_TEST ?= $(addprefix tests/integration/test_,$(addsuffix .py,exact_answers \
-	sessions_api openai_api chat_clients added_images))
+	sessions_api openai_api chat_clients added_images image_handles))
 test-vllm-integration: venv-vllm
 	$(call VLLM_INTEGRATION,tests/integration)
 
