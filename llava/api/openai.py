@@ -20,7 +20,7 @@ from typing import Any
 
 from llava.api.fields import flag_field, number_field
 from llava.api.headers import NEW_SESSION, SESSION_HEADER, header
-from llava.core.errors import InvalidRequest
+from llava.core.errors import SEND_PICTURE_AGAIN, InvalidRequest, UnknownImageHandle
 from llava.core.ids import is_valid_session_id
 from llava.core.params import GenerationParams, Limits
 
@@ -165,7 +165,7 @@ def _same_images(info: Mapping[str, Any], request: ChatCompletion) -> bool:
     if info.get("image_key") == request.image_key:
         return True
     keys, uuids = info.get("image_keys"), info.get("image_uuids")
-    if not request.handles or keys is None or uuids is None or len(keys) != len(request.images):
+    if keys is None or uuids is None or not len(keys) == len(uuids) == len(request.images):
         return False
     return all(
         uuid == uuids[i] if is_handle(ref) else image_key(ref) == keys[i]
@@ -176,6 +176,11 @@ def _same_images(info: Mapping[str, Any], request: ChatCompletion) -> bool:
 def check_same_chat(info: Mapping[str, Any], request: ChatCompletion) -> None:
     """Refuse a chat whose image or system prompt is not the session's own."""
     if not _same_images(info, request):
+        if request.handles:
+            raise UnknownImageHandle(
+                "this session holds no picture by the uuids sent: " + SEND_PICTURE_AGAIN,
+                field="messages",
+            )
         raise InvalidRequest(
             "this session was opened with another image: re-send the session's own image in the "
             f"first user message, or start a new session ({SESSION_HEADER}: {NEW_SESSION})",

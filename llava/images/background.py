@@ -118,16 +118,13 @@ class BackgroundImages:
     ) -> tuple[Any, str]:
         with _naming_image():
             data = [None if i in named else self._source.read(ref) for i, ref in enumerate(refs)]
-            digests = [named.get(i) or content_digest(d) for i, d in enumerate(data)]
-            digest = "+".join(digests) if known is not None else ""
+            digest = ""
+            if known is not None:
+                digest = "+".join(named.get(i) or content_digest(d) for i, d in enumerate(data))
             if known is not None and known(digest):
                 return None, digest
-            if named:
-                raise UnknownImageHandle(
-                    "no conversation this instance holds has the pictures named: "
-                    + SEND_PICTURE_AGAIN,
-                    field="messages",
-                )
+            if named:  # chats.py words it as every other handle it cannot resolve
+                raise UnknownImageHandle(SEND_PICTURE_AGAIN, field="messages")
             earlier = [self._source.decoder(d) for d in data[:-1]]  # processed with the last
             return self._prepared(data[-1], earlier), digest
 

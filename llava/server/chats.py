@@ -16,23 +16,19 @@ taken ends the oldest idle one.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable
 from typing import Generic
 
 from llava.api.headers import NEW_SESSION
-from llava.api.openai import ChatCompletion, check_same_chat, is_handle
+from llava.api.openai import ChatCompletion, check_same_chat, is_handle, message_text
 from llava.api.openai_replies import OpenAIReplies
 from llava.api.replies import Replies, Reply, as_kit_error, error_reply
-from llava.core.errors import (
-    SEND_PICTURE_AGAIN,
-    CapacityExceeded,
-    InvalidRequest,
-    UnknownImageHandle,
-)
+from llava.core.errors import CapacityExceeded, InvalidRequest, UnknownImageHandle
 from llava.images.background import BackgroundImages
 from llava.server.contract import Engine, StateT, TurnT
-from llava.server.image_handles import ImageHandles
+from llava.server.image_handles import ImageHandles, unknown_handle
 from llava.server.inflight import Answering, Fetching
 from llava.server.opening import SessionOpener
 from llava.sessions.session import Session, Slot
@@ -114,21 +110,22 @@ class ChatDesk(Generic[StateT, TurnT]):
         a new state that is kept once answered."""
         request, replies = work.request, work.replies
         assert isinstance(request, ChatCompletion) and replies is not None
-        prepared, digest = work.image.result()
+        try:
+            prepared, digest = work.image.result()
+        except UnknownImageHandle:
+            raise unknown_handle(next(iter(request.handles.values()))) from None
         self._bind(request, digest)  # a uuid sent with other bytes than before: refused here
         key = self._key(digest, request)
         chat = request.chat
         best: tuple[int, bool, Session] | None = None
         for session in self._candidates(key):
             held, carries = self.engine.held_of_chat(session.state, chat)
+            if request.handles and not (carries and _answered_in(session, request)):
+                continue  # a handle: only the chat that carries on it, its last answer too
             if best is None or held > best[0]:
                 best = (held, carries, session)
-        if request.handles and (best is None or not best[1]):  # only the caller's own chat
-            raise UnknownImageHandle(
-                "a picture named by its uuid alone is resolved only in a chat that carries on "
-                "a conversation this instance holds: " + SEND_PICTURE_AGAIN,
-                field="messages",
-            )
+        if request.handles and best is None:
+            raise unknown_handle(next(iter(request.handles.values())))
         if best is not None and best[1] and not best[2].busy:
             session = self.store.begin_turn(best[2].id)
             try:
@@ -150,13 +147,21 @@ class ChatDesk(Generic[StateT, TurnT]):
         if work.adopt is None:
             return False
         state = work.session.state
-        session = self.store.add(work.adopt, state, state.nbytes, implicit=True, key=work.key)
+        answer = answer_digest(work.turn.text)
+        session = self.store.add(
+            work.adopt, state, state.nbytes, implicit=True, key=work.key, answer=answer
+        )
         work.adopt, work.kept = None, True
         self._held.setdefault(work.key or "", []).append(session.id)
         if len(self._held) > 2 * self.store.max_sessions:  # keys of chats long gone: drop them
             for key in list(self._held):
                 self._candidates(key)
         return True
+
+    def note_answer(self, work: Answering[TurnT]) -> None:
+        """Keep a header-less chat's last answer with its session (what a handle checks)."""
+        if work.session.info.get("implicit"):
+            work.session.info["answer"] = answer_digest(work.turn.text)
 
     def _bind(self, request: ChatCompletion, digest: str) -> None:
         """Name each picture sent with bytes and a uuid by its content, for later turns."""
@@ -212,6 +217,19 @@ class ChatDesk(Generic[StateT, TurnT]):
     def _key(digest: str, request: ChatCompletion) -> str:
         """What a held conversation is found by: its pictures, system prompt and cache salt."""
         return json.dumps([request.cache_salt, digest, request.system_prompt])
+
+
+def answer_digest(text: str) -> str:
+    """What a header-less chat's session keeps of its last answer (`info["answer"]`)."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _answered_in(session: Session, request: ChatCompletion) -> bool:
+    """Whether a chat's last answer is the one this session gave: a picture named by its uuid
+    alone is resolved only for the caller who holds the whole conversation so far."""
+    earlier = [m for m in request.chat[:-1] if m["role"] == "assistant"]
+    answer = session.info.get("answer")
+    return bool(earlier) and answer == answer_digest(message_text(earlier[-1]))
 
 
 def _never_held(digest: str) -> bool:

@@ -20,7 +20,7 @@ class ImageHandles:
     def __init__(self, capacity: int = 8192) -> None:
         self.capacity = capacity
         self._digests: OrderedDict[tuple[str | None, str], str] = OrderedDict()
-        self._lock = threading.Lock()  # the step thread binds, image threads resolve
+        self._lock = threading.Lock()
 
     def bind(self, salt: str | None, uuid: str, digest: str) -> None:
         """Name `digest` by `uuid`; a uuid named other bytes before is a 400."""
@@ -44,9 +44,14 @@ class ImageHandles:
             if digest is not None:
                 self._digests.move_to_end((salt, uuid))
         if digest is None:
-            raise UnknownImageHandle(
-                f"this instance holds no picture named {uuid!r} for this chat: "
-                + SEND_PICTURE_AGAIN,
-                field="messages",
-            )
+            raise unknown_handle(uuid)
         return digest
+
+
+def unknown_handle(uuid: str) -> UnknownImageHandle:
+    """One refusal for every handle not resolved, whatever the reason (it tells nothing of
+    what the instance holds)."""
+    return UnknownImageHandle(
+        f"this instance holds no picture named {uuid[:64]!r} for this chat: " + SEND_PICTURE_AGAIN,
+        field="messages",
+    )

@@ -326,6 +326,7 @@ class SessionService(Generic[StateT, TurnT]):
         more = {**self.usage_extra, **resumed_usage(work.session)}
         try:
             if not work.transient:
+                self.chats.note_answer(work)
                 self.keeper.keep(work.session)
             elif self.chats.adopt(work):
                 return work.finished(**more)

@@ -108,10 +108,15 @@ def test_a_uuid_is_bound_to_its_bytes_and_only_the_callers_chat_resolves_it(clie
             {"extra_body": {"cache_salt": "tenant-b"}},
             "send the picture again",
         ),
-        "in a chat that does not carry on the held one": (
+        "in a chat that asked otherwise": (
             chat(picture_part(None, "pic-511"), [("Is it a photo?", answer)], "And?"),
             {},
-            "carries on a conversation this instance holds",
+            "send the picture again",
+        ),
+        "by a caller who does not hold the answer it was given": (
+            chat(picture_part(None, "pic-511"), [(QUESTIONS[0], "A cat.")], "And?"),
+            {},
+            "send the picture again",
         ),
         "opening a session": (
             chat(picture_part(None, "pic-511"), [], QUESTIONS[0]),
@@ -124,7 +129,10 @@ def test_a_uuid_is_bound_to_its_bytes_and_only_the_callers_chat_resolves_it(clie
             client.chat.completions.create(
                 model="llava", messages=messages, max_tokens=TOKENS, temperature=0, **extra
             )
-        assert refused.value.body["field"] == "messages", case  # type: ignore[index]
+        body: Any = refused.value.body
+        assert body["field"] == "messages", case
+        if words == "send the picture again":
+            assert body["code"] == "unknown_image_handle", case
     follow_up = chat(picture_part(None, "pic-511"), [(QUESTIONS[0], answer)], QUESTIONS[1])
     reply = client.chat.completions.create(
         model="llava", messages=follow_up, max_tokens=TOKENS, temperature=0
@@ -151,6 +159,11 @@ def test_a_session_takes_its_pictures_uuid_in_place_of_its_bytes(client, referen
     with pytest.raises(openai.BadRequestError, match="opened with another image"):
         client.chat.completions.create(
             model="llava", messages=other, max_tokens=TOKENS, extra_headers=headers
+        )
+    stranger = chat(picture_part(None, "pic-999"), [(QUESTIONS[0], answer)], "?")
+    with pytest.raises(openai.BadRequestError, match="send the picture again"):
+        client.chat.completions.create(
+            model="llava", messages=stranger, max_tokens=TOKENS, extra_headers=headers
         )
     named = chat(picture_part(None, "pic-521"), [(QUESTIONS[0], answer)], QUESTIONS[1])
     reply = client.chat.completions.create(
