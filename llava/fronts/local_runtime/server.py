@@ -285,11 +285,7 @@ class LocalRuntime:
         send(h, 200, out, r.content)
 
     def _stream(self, h: _Handler, url: str, body: bytes, headers: dict[str, str]) -> None:
-        request = self._http.build_request("POST", url, content=body, headers=headers)
-        try:
-            r = self._http.send(request, stream=True)
-        except httpx.HTTPError as exc:
-            raise self._gone_or_unreachable(url, exc) from exc
+        r = self._open_stream(url, body, headers)
         try:
             if r.status_code >= 400:
                 r.read()
@@ -317,11 +313,7 @@ class LocalRuntime:
     def _relay(self, h: _Handler, url: str, body: bytes, headers: dict[str, str]) -> None:
         """The OpenAI path: the container's reply as is, status and body (server-sent events
         relayed as they arrive), as SageMaker returns it."""
-        request = self._http.build_request("POST", url, content=body, headers=headers)
-        try:
-            r = self._http.send(request, stream=True)
-        except httpx.HTTPError as exc:
-            raise self._gone_or_unreachable(url, exc) from exc
+        r = self._open_stream(url, body, headers)
         try:
             if r.status_code == 503:
                 r.read()
@@ -345,6 +337,14 @@ class LocalRuntime:
             h.close_connection = True  # the client went away: closing `r` tells the container
         finally:
             r.close()
+
+    def _open_stream(self, url: str, body: bytes, headers: dict[str, str]) -> httpx.Response:
+        """Send a request to a container and return its reply unread (streamed)."""
+        request = self._http.build_request("POST", url, content=body, headers=headers)
+        try:
+            return self._http.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise self._gone_or_unreachable(url, exc) from exc
 
     def _gone_or_unreachable(self, url: str, exc: httpx.HTTPError) -> Exception:
         """An instance that refused the connection, or dropped it and no longer answers /ping,
