@@ -51,7 +51,7 @@ $(BIN)/.installed: pyproject.toml docker/image.lock
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==$(TORCH_VERSION)
-	$(BIN)/python -m pip install -q -c docker/image.lock -e ".[engine,serve,aws,ray,ui,dev]"
+	$(BIN)/python -m pip install -q -c docker/image.lock -e ".[engine,serve,aws,ray,ui,socket,dev]"
 	@touch $@
 
 venv: $(BIN)/.installed
@@ -125,7 +125,7 @@ PYTEST = LLAVA_GPU_LOGIC=cpu $(BIN)/python -m pytest -q -p no:cacheprovider
 RAY_TESTS = unshare -n sh -c 'ip link set lo up && LLAVA_NETNS=1 $(PYTEST) \
 	tests/integration/test_ray_front.py tests/integration/test_sessions_api.py \
 	tests/integration/test_openai_api.py tests/integration/test_local_runtime.py \
-	tests/integration/test_shared_sessions.py -k "ray"'
+	tests/integration/test_shared_sessions.py tests/integration/test_ray_sockets.py -k "ray"'
 test: venv lint venv-vllm
 	$(PYTEST) --ignore=tests/images
 	$(RAY_TESTS)

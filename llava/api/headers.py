@@ -23,6 +23,10 @@ STREAM_CONTENT_TYPE = "application/x-ndjson"
 
 JSON_CONTENT_TYPE = "application/json"
 
+# SageMaker's bidirectional streaming (InvokeEndpointWithBidirectionalStream): the WebSocket a
+# container serves on its port 8080, one session per connection (llava.fronts.sockets).
+SOCKET_PATH = "/invocations-bidirectional-stream"
+
 
 def header(headers: Mapping[str, Any], name: str) -> str | None:
     """Look a header up case-insensitively (HTTP names are not case-sensitive)."""

@@ -64,6 +64,14 @@ class SessionClient:
         return cls(HttpTransport(url, timeout=timeout, http_client=http_client))
 
     @classmethod
+    def connect(cls, url: str, *, timeout: float = 120.0) -> SessionClient:
+        """A client over one WebSocket (`ws://host:8080`, or the socket's own URL): SageMaker's
+        bidirectional streaming path. The connection holds one session; needs `websockets`."""
+        from llava.client.sockets import SocketTransport
+
+        return cls(SocketTransport(url, timeout=timeout))
+
+    @classmethod
     def for_endpoint(
         cls,
         endpoint_name: str,

@@ -33,6 +33,7 @@ from llava.tools.tiny.scenes import SAMPLE, colour_answer
 MiB = 1024 * 1024
 PICTURE = "data:image/png;base64," + base64.b64encode(SAMPLE_IMAGE.read_bytes()).decode()
 ANSWERS = (colour_answer(SAMPLE, "circle"), colour_answer(SAMPLE, "square"))
+BIDI_LABEL = "com.amazonaws.sagemaker.capabilities.bidirectional-streaming"
 TTL_S = 4  # the second container's sessions expire quickly, to see an expired id refused
 
 
@@ -308,6 +309,24 @@ def test_sagemaker_s_openai_path_reaches_the_container(served: Served) -> None:
         )
         streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert whole.choices[0].message.content == streamed == ANSWERS[0]
+
+
+def test_sagemaker_s_websocket_where_the_label_says(served: Served) -> None:
+    """An image labelled for bidirectional streaming holds a session over its WebSocket (the
+    kit's client, whole and streamed answers); TorchServe serves none, so its image has no
+    label and SageMaker sends it no WebSocket."""
+    from llava.client import SessionClient
+
+    labels = json.loads(docker("inspect", "-f", "{{json .Config.Labels}}", served.tag))
+    if served.front == "torchserve":
+        assert BIDI_LABEL not in labels, labels
+        return
+    assert labels[BIDI_LABEL] == "true", labels
+    client = SessionClient.connect(served.container.url)
+    with client, client.session(image=PICTURE) as session:
+        first = session.ask(QUESTION).text
+        second = "".join(session.stream(FOLLOW_UP))
+    assert (first, second) == ANSWERS
 
 
 def test_no_aws_credentials_or_sdk_variables_reach_the_container(served: Served) -> None:

@@ -61,9 +61,9 @@ def test_ping_says_503_until_a_replica_has_loaded(monkeypatch: pytest.MonkeyPatc
     async def run() -> list[int]:
         replicas = Replicas()
         front = Ingress(replicas)
-        loading = (await front(request("/ping"))).status_code
+        loading = (await front.http(request("/ping"))).status_code
         replicas.loaded.set()
-        return [loading, (await front(request("/ping"))).status_code]
+        return [loading, (await front.http(request("/ping"))).status_code]
 
     assert asyncio.run(run()) == [503, 200]
 
@@ -72,7 +72,7 @@ def test_drain_waits_for_a_stream_to_end() -> None:
     async def run() -> tuple[bool, int, int]:
         replicas = Replicas()
         front = Ingress(replicas)
-        response: Any = await front(request("/invocations"))
+        response: Any = await front.http(request("/invocations"))
         chunks = response.body_iterator
         first = await chunks.__anext__()
         assert first == b'{"text":"a"}\n'
@@ -92,7 +92,7 @@ def test_drain_waits_for_a_stream_to_end() -> None:
 def test_a_stream_dropped_before_it_began_is_not_waited_for() -> None:
     async def run() -> int:
         front = Ingress(Replicas())
-        response: Any = await front(request("/invocations"))
+        response: Any = await front.http(request("/invocations"))
         del response  # the client left before the first chunk was sent
         return await front.drain(1)
 
@@ -105,8 +105,8 @@ def test_draining_refuses_new_sessions_and_answers_held_ones() -> None:
         replicas.release.set()
         front = Ingress(replicas)
         await front.drain(0)
-        new = await front(request("/invocations"))
-        held = await front(request("/invocations", {"X-Amzn-SageMaker-Session-Id": "abc-1"}))
+        new = await front.http(request("/invocations"))
+        held = await front.http(request("/invocations", {"X-Amzn-SageMaker-Session-Id": "abc-1"}))
         return new, held
 
     new, held = asyncio.run(run())
@@ -124,13 +124,17 @@ def test_a_request_arriving_as_the_last_ends_extends_the_drain(
         replicas = Replicas()
         replicas.release.set()
         front = Ingress(replicas)
-        first: Any = await front(request("/invocations", {"X-Amzn-SageMaker-Session-Id": "a-1"}))
+        first: Any = await front.http(
+            request("/invocations", {"X-Amzn-SageMaker-Session-Id": "a-1"})
+        )
         draining = asyncio.ensure_future(front.drain(5))
         async for _ in first.body_iterator:
             pass
         del first  # the last reply ends: the ingress is idle
         await asyncio.sleep(0.05)  # within the settle time, the next one arrives
-        second: Any = await front(request("/invocations", {"X-Amzn-SageMaker-Session-Id": "a-2"}))
+        second: Any = await front.http(
+            request("/invocations", {"X-Amzn-SageMaker-Session-Id": "a-2"})
+        )
         await asyncio.sleep(0.4)  # past the settle time: the drain must still wait for it
         waited = not draining.done()
         async for _ in second.body_iterator:

@@ -36,7 +36,7 @@ def build(args: Mapping[str, Any]) -> Any:
     import ray
     from ray import serve
 
-    from llava.fronts.ray.ingress import Ingress
+    from llava.fronts.ray.ingress import Ingress, routes
     from llava.fronts.ray.package import PACKAGE_DIR
     from llava.fronts.ray.replica import LlavaReplica
     from llava.fronts.ray.router import SessionAffinityRouter
@@ -67,7 +67,7 @@ def build(args: Mapping[str, Any]) -> Any:
     )
     ingress = serve.deployment(
         name="Ingress", max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0}
-    )(Ingress)
+    )(serve.ingress(routes)(Ingress))
     return ingress.bind(replica)
 
 

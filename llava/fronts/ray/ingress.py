@@ -4,8 +4,10 @@
 (SageMaker's path), `/predictions/<model>[/...]` (the TorchServe paths clients already use) and
 `/v1/chat/completions`, `/v1/models` (OpenAI's) go to a replica, chosen by the session affinity
 router from the request's session id. Bodies and headers pass through untouched: the replica's
-service parses them as the TorchServe worker does. On SIGTERM the front first waits for the
-replies in flight (`drain`), streams included, then lets Ray Serve shut down.
+service parses them as the TorchServe worker does. `/invocations-bidirectional-stream` is
+SageMaker's WebSocket: one connection, one session (`llava.fronts.sockets`), its frames sent to
+the replicas the same way. On SIGTERM the front first waits for the replies in flight (`drain`),
+streams included, then lets Ray Serve shut down.
 """
 
 from __future__ import annotations
@@ -15,16 +17,21 @@ import json
 import logging
 import weakref
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
+from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route, WebSocketRoute
+from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from llava.api.body import decode_body
-from llava.api.headers import NEW_SESSION, SESSION_HEADER, header, session_id_from
-from llava.api.replies import error_reply
+from llava.api.headers import NEW_SESSION, SESSION_HEADER, SOCKET_PATH, header, session_id_from
+from llava.api.replies import Reply, error_reply
 from llava.core.errors import Draining, KitError
 from llava.core.params import Limits
+from llava.fronts.sockets import SocketSession
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +69,24 @@ def not_found(path: str) -> Response:
     return Response(json.dumps(error), status_code=404, media_type="application/json")
 
 
+METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+# This process's ingress, for `routes()`: Ray builds the app after the ingress, in its actor.
+_BUILT: list[Ingress] = []
+
+
+def routes() -> Starlette:
+    """The ingress's ASGI app (Ray Serve carries WebSockets to an ASGI ingress only), built by
+    Ray in the ingress's own process once the ingress is constructed (an app of bound routes
+    does not pickle: Ray ships this function instead)."""
+    front = _BUILT[-1]
+    return Starlette(
+        routes=[
+            WebSocketRoute(SOCKET_PATH, front.socket),
+            Route("/{path:path}", front.http, methods=METHODS),
+        ]
+    )
+
+
 class Ingress:
     """Forward each request to the replica holding its session and relay its replies."""
 
@@ -74,6 +99,7 @@ class Ingress:
         self.idle.set()
         self.arrived = asyncio.Event()  # set by each request that reaches this ingress
         self.draining = False
+        _BUILT[:] = [self]
 
     async def drain(self, timeout_s: float) -> int:
         """Take no new session (503 `draining`, as the TorchServe worker answers), and wait
@@ -118,7 +144,44 @@ class Ingress:
         body = HEALTHY if self.ready else LOADING
         return Response(body, status_code=status, media_type="application/json")
 
-    async def __call__(self, request: Request) -> Response:
+    def _refusal(self, route: str | None) -> Reply | None:
+        """While draining, a request that opens a session is refused (held ones are answered)."""
+        if self.draining and route is None:
+            return error_reply(Draining("this instance is stopping: open the session again"))
+        return None
+
+    async def socket(self, websocket: WebSocket) -> None:
+        """One session over one WebSocket: each frame answered in order (sockets.py)."""
+        await websocket.accept()  # first: SageMaker wants the connection accepted within 250 ms
+        session = SocketSession(self._exchange)
+        try:
+            while True:
+                message = await websocket.receive()
+                if message["type"] == "websocket.disconnect":
+                    return
+                frame = message.get("text")
+                async with aclosing(session.answer(frame or message.get("bytes") or b"")) as out:
+                    async for reply in out:
+                        await websocket.send_text(reply)
+        except WebSocketDisconnect:
+            return  # the session stays, to be taken up by id until its TTL
+
+    async def _exchange(self, body: bytes, headers: dict[str, str]) -> AsyncIterator[Reply]:
+        """One socket frame's replies from the replica holding its session."""
+        route = route_of(body, headers)
+        refusal = self._refusal(route)
+        if refusal is not None:
+            yield refusal
+            return
+        self._begin()
+        try:
+            async for reply in self.replicas.remote(body, headers, route=route):
+                yield Reply(**reply)
+        finally:
+            self._end()
+
+    async def http(self, request: Request) -> Response:
+        """Answer one HTTP request: /ping here, the routed paths by a replica."""
         path = request.url.path
         if path in ("/ping", "/health"):
             return await self.health()
@@ -127,8 +190,8 @@ class Ingress:
         body = await request.body()
         headers = dict(request.headers)
         route = route_of(body, headers)
-        if self.draining and route is None:
-            refusal = error_reply(Draining("this instance is stopping: open the session again"))
+        refusal = self._refusal(route)
+        if refusal is not None:
             return Response(refusal.body, refusal.status, refusal.headers, refusal.content_type)
         self._begin()
         streaming = False
