@@ -126,11 +126,15 @@ RAY_TESTS = unshare -n sh -c 'ip link set lo up && LLAVA_NETNS=1 $(PYTEST) \
 	tests/integration/test_ray_front.py tests/integration/test_sessions_api.py \
 	tests/integration/test_openai_api.py tests/integration/test_local_runtime.py \
 	tests/integration/test_shared_sessions.py tests/integration/test_ray_sockets.py -k "ray"'
+# The images the last step tests are built in the background from the start (cold, the build
+# waits on the network as much as on the CPU: tests/images/prebuild.py), then waited for.
 test: venv lint venv-vllm
+	$(BIN)/python tests/images/prebuild.py start $$PPID $(IMAGES_PREBUILT)
 	$(PYTEST) --ignore=tests/images
 	$(RAY_TESTS)
 	unshare -n sh -c 'ip link set lo up && LLAVA_NETNS=1 $(VLLM_PYTEST) $(VLLM_IN_TEST)'
 	$(call VLLM_INTEGRATION,$(VLLM_INTEGRATION_IN_TEST))
+	$(BIN)/python tests/images/prebuild.py wait
 	$(IMAGES_PYTEST) $(IMAGES_IN_TEST)
 
 test-ray: venv
@@ -145,6 +149,7 @@ test-ray: venv
 # tested outside images in make test); `make test-images` runs them all, transformers too.
 IMAGES_PYTEST = $(PYTEST) tests/images
 IMAGES_IN_TEST ?= -k "not transformers and not (survive and ray)"
+IMAGES_PREBUILT ?= torchserve-vllm ray-vllm
 test-images: venv venv-vllm
 	$(IMAGES_PYTEST)
 

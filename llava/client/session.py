@@ -65,8 +65,9 @@ class SessionClient:
 
     @classmethod
     def connect(cls, url: str, *, timeout: float = 120.0) -> SessionClient:
-        """A client over one WebSocket (`ws://host:8080`, or the socket's own URL): SageMaker's
-        bidirectional streaming path. The connection holds one session; needs `websockets`."""
+        """A client over one WebSocket to a container (`ws://host:8080`, or the socket's own
+        URL): the path SageMaker's bidirectional streaming reaches. The connection holds one
+        session; needs `websockets`."""
         from llava.client.sockets import SocketTransport
 
         return cls(SocketTransport(url, timeout=timeout))

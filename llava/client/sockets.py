@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -43,6 +43,8 @@ class SocketTransport:
         self.url = socket_url(url)
         self.timeout = timeout
         self._stack = ExitStack()  # websockets wants its connection used as a context
+        self._broken: str | None = None  # why the connection was closed under its caller
+        self._streaming = False
         try:
             # max_size: a reply holds at most a session's answer; frames out are bodies the
             # server limits itself (16 MiB, as over HTTP).
@@ -52,26 +54,44 @@ class SocketTransport:
             raise TransportError(f"{self.url}: {exc}", original=exc) from exc
 
     def _send(self, body: bytes, session_id: str | None) -> None:
+        if self._broken is not None:
+            raise TransportError(self._broken)
+        if self._streaming:
+            raise TransportError(
+                "a streamed answer on this connection is still being read: finish it first"
+            )
         obj = json.loads(body)
         if session_id not in (None, NEW_SESSION):
             obj["session_id"] = session_id  # the frame carries what HTTP's header would
         try:
             self._socket.send(json.dumps(obj))
         except Exception as exc:
-            raise TransportError(f"{self.url}: {exc}", original=exc) from exc
+            raise self._break(exc) from exc
 
     def _receive(self) -> dict[str, Any]:
         try:
             frame = self._socket.recv(timeout=self.timeout)
-        except Exception as exc:
-            raise TransportError(f"{self.url}: {exc}", original=exc) from exc
+        except Exception as exc:  # timed out, or closed
+            raise self._break(exc) from exc
         try:
             obj = json.loads(frame)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise TransportError(f"unreadable frame {frame[:200]!r}: {exc}") from exc
+            raise self._break(f"unreadable frame {frame[:200]!r}: {exc}") from exc
         if not isinstance(obj, dict):
-            raise TransportError(f"a frame that is not a JSON object: {frame[:200]!r}")
+            raise self._break(f"a frame that is not a JSON object: {frame[:200]!r}")
         return obj
+
+    def _break(self, cause: object) -> TransportError:
+        """Close a connection whose next frame could be the wrong reply's (an answer still
+        coming after a timeout): every later call says so instead of misreading it."""
+        self._broken = (
+            f"{self.url}: {cause}; this connection is closed: connect again and take the "
+            "session up by its id"
+        )
+        self._stack.close()
+        return TransportError(
+            self._broken, original=cause if isinstance(cause, Exception) else None
+        )
 
     def invoke(self, body: bytes, session_id: str | None) -> Response:
         self._send(body, session_id)
@@ -79,6 +99,7 @@ class SocketTransport:
 
     def invoke_stream(self, body: bytes, session_id: str | None) -> Iterator[bytes]:
         self._send(body, session_id)
+        self._streaming = True
         ended = False
         try:
             while not ended:
@@ -89,9 +110,11 @@ class SocketTransport:
                 ended = "usage" in frame or "error" in frame
                 yield json.dumps(frame).encode() + b"\n"
         finally:
-            while not ended:  # the caller stopped reading: the answer's frames still come
-                frame = self._receive()
-                ended = "usage" in frame or "error" in frame
+            with suppress(TransportError):  # a broken connection says so on its next call
+                while not ended and self._broken is None:  # left unread: its frames still come
+                    frame = self._receive()
+                    ended = "usage" in frame or "error" in frame
+            self._streaming = False
 
     def close(self) -> None:
         """Close the connection; the session stays on the server until its TTL."""

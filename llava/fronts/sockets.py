@@ -15,10 +15,14 @@ order, one request at a time; the WebSocket's own pings are answered beside them
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
+from contextlib import aclosing, suppress
+from dataclasses import dataclass
 from typing import Any
 
+from llava.api.aws import translate_dialects
 from llava.api.headers import JSON_CONTENT_TYPE, NEW_SESSION, SESSION_HEADER, STREAM_CONTENT_TYPE
 from llava.api.replies import Reply
 from llava.core.errors import InvalidRequest, KitError, SessionClosed, SessionNotFound
@@ -27,12 +31,58 @@ from llava.core.errors import InvalidRequest, KitError, SessionClosed, SessionNo
 ENDED = {SessionClosed.code, SessionNotFound.code, "session_expired", "session_lost"}
 
 # A front's way to one request's replies: (body, headers) -> the replies, as HTTP sends them.
-Exchange = Callable[[bytes, dict[str, str]], AsyncIterator[Reply]]
+Exchange = Callable[[bytes, dict[str, str]], AsyncGenerator[Reply, None]]
+
+
+async def serve(websocket: Any, session: SocketSession) -> None:
+    """Answer an accepted connection's frames in order until it closes (`websocket`: Starlette's
+    or any with its `receive()` and `send_text()`). A client that leaves mid-answer cancels the
+    answer, as an HTTP client that leaves does: its session is free for the next connection."""
+    frames: asyncio.Queue[str | bytes | None] = asyncio.Queue()
+    reader = asyncio.create_task(_read(websocket, frames))
+    try:
+        while (frame := await frames.get()) is not None:
+            answering = asyncio.create_task(_send_answer(websocket, session, frame))
+            await asyncio.wait({answering, reader}, return_when=asyncio.FIRST_COMPLETED)
+            if not answering.done():  # the client left mid-answer
+                answering.cancel()
+                with suppress(asyncio.CancelledError):
+                    await answering
+                return
+            answering.result()
+    finally:
+        reader.cancel()
+        with suppress(asyncio.CancelledError):
+            await reader
+
+
+async def _read(websocket: Any, frames: asyncio.Queue[str | bytes | None]) -> None:
+    """Queue each frame the client sends; None once it has closed."""
+    try:
+        while (message := await websocket.receive())["type"] != "websocket.disconnect":
+            frames.put_nowait(message.get("text") or message.get("bytes") or b"")
+    finally:
+        frames.put_nowait(None)
+
+
+async def _send_answer(websocket: Any, session: SocketSession, frame: str | bytes) -> None:
+    async with aclosing(session.answer(frame)) as replies:
+        async for reply in replies:
+            await websocket.send_text(reply)
 
 
 def error_frame(error: KitError) -> str:
     """HTTP's JSON error body for `error`, with its status."""
     return json.dumps({**error.to_body(), "status": error.status})
+
+
+@dataclass
+class Frame:
+    """One client frame, checked: its body, its kind in the kit's own terms, the session."""
+
+    body: dict[str, Any]
+    kind: str | None
+    session: str | None  # what HTTP's session header would say: NEW_SESSION, an id, or none
 
 
 class SocketSession:
@@ -42,73 +92,80 @@ class SocketSession:
         self.exchange = exchange
         self.session_id: str | None = None
 
-    async def answer(self, frame: str | bytes) -> AsyncGenerator[str, None]:
+    async def answer(self, text: str | bytes) -> AsyncGenerator[str, None]:
         """Yield the frames that answer one client frame."""
         try:
-            obj, headers = self._request(frame)
+            frame = self._check(text)
         except KitError as error:
             yield error_frame(error)
             return
-        body = json.dumps(obj).encode()
+        accept = STREAM_CONTENT_TYPE if frame.body.get("stream") is True else JSON_CONTENT_TYPE
+        headers = {"content-type": JSON_CONTENT_TYPE, "accept": accept}
+        if frame.session is not None:
+            headers[SESSION_HEADER.lower()] = frame.session
         streamed, pending, ended = False, b"", True
-        async for reply in self.exchange(body, headers):
-            if reply.last is None:  # a whole reply: one frame
-                yield self._whole(obj, reply)
-                return
-            streamed = True
-            pending += reply.body
-            *lines, pending = pending.split(b"\n")
-            for line in filter(bytes.strip, lines):
-                ended = _is_last(line)
-                yield line.decode()
+        async with aclosing(self.exchange(json.dumps(frame.body).encode(), headers)) as replies:
+            async for reply in replies:
+                if reply.last is None:  # a whole reply (or an error once streaming began)
+                    yield self._whole(frame, reply)
+                    return
+                if not streamed:
+                    self._holds(frame)  # the stream began: its session is this connection's
+                streamed = True
+                pending += reply.body
+                *lines, pending = pending.split(b"\n")
+                for line in filter(bytes.strip, lines):
+                    ended = self._is_last(line)
+                    yield line.decode()
         if pending.strip():
-            ended = _is_last(pending)
+            ended = self._is_last(pending)
             yield pending.decode()
         if not streamed or not ended:
             yield error_frame(KitError("the answer ended before its last line: ask again"))
 
-    def _request(self, frame: str | bytes) -> tuple[dict[str, Any], dict[str, str]]:
-        """Check a frame; return its body and the headers HTTP would carry the session in."""
+    def _check(self, text: str | bytes) -> Frame:
+        """Check a frame against the session this connection holds."""
         try:
-            obj = json.loads(frame)
+            body = json.loads(text)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise InvalidRequest(f"a frame is one JSON object of the session API: {exc}") from exc
-        if not isinstance(obj, dict):
+        if not isinstance(body, dict):
             raise InvalidRequest("a frame is one JSON object of the session API")
-        named = obj.get("session_id")
+        try:  # AWS's dialects (requestType, the LLaVA sample) in the kit's terms
+            kind = translate_dialects(dict(body))[0].get("type")
+        except KitError:
+            kind = None  # the front answers what is wrong with it
+        named = body.get("session_id")
         if named is not None and self.session_id is not None and named != self.session_id:
             raise InvalidRequest(
                 f"this connection holds session {self.session_id}: open another connection "
                 "for another session",
                 field="session_id",
             )
-        if obj.get("type") == "open_session":
+        if kind == "open_session":
             if self.session_id is not None:
                 raise InvalidRequest(
                     "this connection holds a session: close_session first, or open another "
                     "connection",
                     field="type",
                 )
-            session: str | None = NEW_SESSION
-        elif obj.get("type") == "generate":
-            session = None  # answered without a session
-        else:
-            if isinstance(named, str):
-                self.session_id = named  # taken up from an earlier connection
-            elif self.session_id is None:
-                raise InvalidRequest(
-                    "this connection holds no session: send open_session first, or name one "
-                    'an earlier connection opened with "session_id"',
-                    field="session_id",
-                )
-            session = self.session_id
-        accept = STREAM_CONTENT_TYPE if obj.get("stream") is True else JSON_CONTENT_TYPE
-        headers = {"content-type": JSON_CONTENT_TYPE, "accept": accept}
-        if session is not None:
-            headers[SESSION_HEADER.lower()] = session
-        return obj, headers
+            return Frame(body, kind, NEW_SESSION)
+        if kind == "generate":
+            return Frame(body, kind, None)  # answered without a session
+        if named is None and self.session_id is None:
+            raise InvalidRequest(
+                "this connection holds no session: send open_session first, or name one an "
+                'earlier connection opened with "session_id"',
+                field="session_id",
+            )
+        return Frame(body, kind, named if isinstance(named, str) else self.session_id)
 
-    def _whole(self, request: dict[str, Any], reply: Reply) -> str:
+    def _holds(self, frame: Frame) -> None:
+        """A frame that named a session was answered: the connection holds it from now on."""
+        if frame.session not in (None, NEW_SESSION):
+            self.session_id = frame.session
+
+    def _whole(self, frame: Frame, reply: Reply) -> str:
         """The frame of a whole reply; note the session it opens, names or ends."""
         try:
             obj = json.loads(reply.body)
@@ -117,21 +174,29 @@ class SocketSession:
         if not isinstance(obj, dict):
             return error_frame(KitError("the server's reply was not JSON: see its log"))
         if reply.status >= 400:
-            if obj.get("error", {}).get("code") in ENDED:
-                self.session_id = None
+            self._ends(obj)
             return json.dumps({**obj, "status": reply.status})
-        kind = request.get("type")
-        if kind == "close_session":
+        if frame.kind == "close_session":
             self.session_id = None
-        elif kind == "open_session" and isinstance(obj.get("session_id"), str):
+        elif frame.kind == "open_session" and isinstance(obj.get("session_id"), str):
             self.session_id = obj["session_id"]
+        else:
+            self._holds(frame)
         return reply.body.decode()
 
+    def _ends(self, obj: dict[str, Any]) -> None:
+        """An error that says the session is gone lets the connection go of it."""
+        error = obj.get("error")
+        if isinstance(error, dict) and error.get("code") in ENDED:
+            self.session_id = None
 
-def _is_last(line: bytes) -> bool:
-    """Tell whether a streamed line ends its answer (its usage, or an error)."""
-    try:
-        obj = json.loads(line)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return False
-    return isinstance(obj, dict) and ("usage" in obj or "error" in obj)
+    def _is_last(self, line: bytes) -> bool:
+        """Tell whether a streamed line ends its answer (its usage, or an error)."""
+        try:
+            obj = json.loads(line)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return False
+        if not isinstance(obj, dict):
+            return False
+        self._ends(obj)
+        return "usage" in obj or "error" in obj

@@ -6,6 +6,7 @@ WebSocket client (`websockets`) and the kit's own `SessionClient.connect`."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -139,53 +140,57 @@ def test_the_kit_s_client_speaks_it(ray_front: RayServe, reference: Reference) -
 
 
 def test_pings_are_answered_and_connections_accepted_while_answers_stream(
-    ray_front: RayServe, record_property: Any
+    ray_front: RayServe,
 ) -> None:
-    """SageMaker pings every 60 s and wants a connection accepted within 250 ms: both are
-    measured here while four sessions stream long answers (figures, not a timed pass)."""
-    long = {"max_new_tokens": 200, "stream": True}
+    """SageMaker pings every 60 s and wants a connection accepted within 250 ms: 10 of each are
+    made while four sessions stream long answers (figures, not a timed pass)."""
+    long = {"max_new_tokens": 400, "stream": True}
+    opened = threading.Barrier(5)
 
     def busy(seed: int) -> int:
         with socket_of(ray_front) as ws:
             send(ws, {"type": "open_session", "image": data_uri(make_image(710 + seed))})
+            opened.wait(60)
             return len(send(ws, query("Tell me everything.", **long)))
 
-    with ThreadPoolExecutor(4) as pool:
+    accepted, ponged, busy_at = [], [], []
+    with ThreadPoolExecutor(4) as pool, socket_of(ray_front) as ws:
         streams = [pool.submit(busy, seed) for seed in range(4)]
-        accepted, ponged = [], []
-        with socket_of(ray_front) as ws:
-            send(ws, {"type": "open_session", "image": data_uri(make_image(720))})
-            while not all(f.done() for f in streams) and len(accepted) < 20:
-                start = time.monotonic()
-                with socket_of(ray_front):
-                    accepted.append(time.monotonic() - start)
-                start = time.monotonic()
-                assert ws.ping().wait(30)
-                ponged.append(time.monotonic() - start)
-        assert all(f.result() > 2 for f in streams)
-    assert accepted and ponged
-    worst = max(accepted)
-    record_property("socket_accept_worst_ms", round(worst * 1000))
-    print(f"\nsocket accepted in at most {worst * 1000:.0f} ms over {len(accepted)} connections")
+        opened.wait(60)
+        for _ in range(10):
+            busy_at.append(sum(not f.done() for f in streams))
+            start = time.monotonic()
+            with socket_of(ray_front):
+                accepted.append(time.monotonic() - start)
+            start = time.monotonic()
+            assert ws.ping().wait(30)
+            ponged.append(time.monotonic() - start)
+        assert all(f.result() > 2 for f in streams)  # each a streamed answer of many frames
+    print(
+        f"\nsocket accepted in at most {max(accepted) * 1000:.0f} ms, pinged back in at most"
+        f" {max(ponged) * 1000:.0f} ms, streams running: {busy_at}"
+    )
 
 
-def test_a_follow_up_over_the_socket_costs_fewer_bytes_than_over_http(
+def test_a_follow_up_over_the_socket_answers_as_over_http_in_fewer_bytes(
     ray_front: RayServe,
 ) -> None:
-    """Figures: bytes sent per follow-up, and time to the first streamed token, socket beside
-    the HTTP session API on the same front and picture."""
+    """The same follow-up on the same picture over both: the same answer. Figures: the bytes a
+    client sends for it (a client frame's header is 6 bytes up to 125 bytes of payload, 8 up to
+    64 KiB: RFC 6455), and the time to its first streamed token."""
     pic = data_uri(make_image(730))
     body = query(PROMPTS[1], stream=True)
     with socket_of(ray_front) as ws:
-        send(ws, {"type": "open_session", "image": pic})
+        [opened] = send(ws, {"type": "open_session", "image": pic})
         send(ws, query(PROMPTS[0]))
-        socket_bytes = len(json.dumps(body).encode()) + 8  # a client frame's header: 6-14 bytes
+        frame = json.dumps(body).encode()
+        named = json.dumps({**body, "session_id": opened["session_id"]}).encode()  # the kit's
         start = time.monotonic()
-        ws.send(json.dumps(body))
-        json.loads(ws.recv(timeout=60))
+        ws.send(frame.decode())
+        lines = [json.loads(ws.recv(timeout=60))]
         socket_first = time.monotonic() - start
-        while "usage" not in json.loads(ws.recv(timeout=60)):
-            pass
+        while "usage" not in lines[-1]:
+            lines.append(json.loads(ws.recv(timeout=60)))
     url = ray_front.url("/invocations")
     with httpx.Client(timeout=60) as http:
         sid = open_session(http, url, pic)
@@ -194,17 +199,19 @@ def test_a_follow_up_over_the_socket_costs_fewer_bytes_than_over_http(
         head = f"POST {request.url.raw_path.decode()} HTTP/1.1\r\n" + "".join(
             f"{k}: {v}\r\n" for k, v in request.headers.items()
         )
-        http_bytes = len(head) + 2 + len(request.content)
         start = time.monotonic()
+        got: list[dict[str, Any]] = []
         with http.stream("POST", url, json=body, headers={SESSION_HEADER: sid}) as r:
-            lines = r.iter_lines()
-            next(lines)
-            http_first = time.monotonic() - start
-            for _ in lines:
-                pass
-    assert socket_bytes < http_bytes
+            for line in filter(None, r.iter_lines()):
+                if not got:
+                    http_first = time.monotonic() - start
+                got.append(json.loads(line))
+    assert "".join(x.get("text", "") for x in lines) == "".join(x.get("text", "") for x in got)
+    socket_bytes = len(frame) + (6 if len(frame) < 126 else 8)
+    kit_bytes = len(named) + (6 if len(named) < 126 else 8)
+    http_bytes = len(head) + 2 + len(request.content)
     print(
-        f"\nfollow-up bytes: socket {socket_bytes}, HTTP {http_bytes}"
-        f" ({http_bytes / socket_bytes:.1f}x); first token: socket {socket_first * 1000:.0f} ms,"
+        f"\nfollow-up bytes: socket {socket_bytes} (the kit's client, naming its session:"
+        f" {kit_bytes}), HTTP {http_bytes}; first token: socket {socket_first * 1000:.0f} ms,"
         f" HTTP {http_first * 1000:.0f} ms"
     )

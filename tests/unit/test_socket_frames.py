@@ -12,7 +12,7 @@ from typing import Any
 
 from llava.api.headers import NEW_SESSION, SESSION_HEADER
 from llava.api.replies import Reply
-from llava.fronts.sockets import SocketSession
+from llava.fronts.sockets import SocketSession, serve
 
 HEADER = SESSION_HEADER.lower()
 
@@ -86,6 +86,70 @@ def test_a_stream_cut_before_its_last_line_ends_with_an_error_frame() -> None:
     session.session_id = "s-1"
     *_, last = answer(session, {"type": "query", "prompt": "q", "stream": True})
     assert last["status"] == 500 and "ask again" in last["error"]["message"]
+
+
+def test_a_named_session_is_held_only_once_it_is_answered() -> None:
+    refused = {"error": {"code": "invalid_request", "message": "bad id", "field": "session_id"}}
+    front = Front(whole(refused, 400), whole({"session_id": "s-9"}))
+    session = SocketSession(front.exchange)
+    answer(session, {"type": "query", "prompt": "q", "session_id": "bad id!"})
+    assert session.session_id is None  # so the connection can still open one
+    assert answer(session, {"type": "open_session", "image": "data:,"}) == [{"session_id": "s-9"}]
+
+
+def test_aws_s_close_ends_the_held_session_too() -> None:
+    session = SocketSession(Front(whole({"session_id": "s-1", "closed": True})).exchange)
+    session.session_id = "s-1"
+    answer(session, {"requestType": "CLOSE"})
+    assert session.session_id is None
+
+
+def test_a_session_lost_mid_stream_is_let_go() -> None:
+    lost = b'{"error": {"code": "session_lost", "message": "gone", "field": null}}\n'
+    replies = [Reply(b'{"text": "a"}\n', last=False), Reply(lost, last=True)]
+    session = SocketSession(Front(replies).exchange)
+    session.session_id = "s-1"
+    frames = answer(session, {"type": "query", "prompt": "q", "stream": True})
+    assert frames[-1]["error"]["code"] == "session_lost" and session.session_id is None
+
+
+def test_a_client_that_leaves_mid_answer_cancels_it() -> None:
+    """The front's exchange is closed at once (its replica call cancelled), not read to its
+    end into a closed socket."""
+    closed = asyncio.Event()
+
+    async def exchange(body: bytes, headers: dict[str, str]) -> AsyncIterator[Reply]:
+        try:
+            yield Reply(b'{"text": "a"}\n', last=False)
+            await asyncio.sleep(3600)  # an answer that would go on for an hour
+            yield Reply(b'{"usage": {}}\n', last=True)
+        finally:
+            closed.set()
+
+    class Socket:
+        def __init__(self) -> None:
+            self.incoming: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+            self.sent: list[str] = []
+
+        async def receive(self) -> dict[str, Any]:
+            return await self.incoming.get()
+
+        async def send_text(self, text: str) -> None:
+            self.sent.append(text)
+            if len(self.sent) == 1:  # the first line is out: the client leaves
+                self.incoming.put_nowait({"type": "websocket.disconnect", "code": 1001})
+
+    async def run() -> list[str]:
+        socket = Socket()
+        session = SocketSession(exchange)
+        session.session_id = "s-1"
+        frame = json.dumps({"type": "query", "prompt": "q", "stream": True})
+        socket.incoming.put_nowait({"type": "websocket.receive", "text": frame})
+        await asyncio.wait_for(serve(socket, session), 30)
+        await asyncio.wait_for(closed.wait(), 30)
+        return socket.sent
+
+    assert asyncio.run(run()) == ['{"text": "a"}']
 
 
 def test_frames_the_front_never_sees() -> None:

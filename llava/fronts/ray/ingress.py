@@ -13,11 +13,11 @@ streams included, then lets Ray Serve shut down.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import weakref
-from collections.abc import AsyncIterator
-from contextlib import aclosing
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from starlette.applications import Starlette
@@ -28,10 +28,10 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from llava.api.body import decode_body
 from llava.api.headers import NEW_SESSION, SESSION_HEADER, SOCKET_PATH, header, session_id_from
-from llava.api.replies import Reply, error_reply
+from llava.api.replies import Reply, as_kit_error, error_reply
 from llava.core.errors import Draining, KitError
 from llava.core.params import Limits
-from llava.fronts.sockets import SocketSession
+from llava.fronts.sockets import SocketSession, serve
 
 log = logging.getLogger(__name__)
 
@@ -153,31 +153,30 @@ class Ingress:
     async def socket(self, websocket: WebSocket) -> None:
         """One session over one WebSocket: each frame answered in order (sockets.py)."""
         await websocket.accept()  # first: SageMaker wants the connection accepted within 250 ms
-        session = SocketSession(self._exchange)
-        try:
-            while True:
-                message = await websocket.receive()
-                if message["type"] == "websocket.disconnect":
-                    return
-                frame = message.get("text")
-                async with aclosing(session.answer(frame or message.get("bytes") or b"")) as out:
-                    async for reply in out:
-                        await websocket.send_text(reply)
-        except WebSocketDisconnect:
-            return  # the session stays, to be taken up by id until its TTL
+        with contextlib.suppress(WebSocketDisconnect):  # the session stays for its TTL
+            await serve(websocket, SocketSession(self._exchange))
 
-    async def _exchange(self, body: bytes, headers: dict[str, str]) -> AsyncIterator[Reply]:
-        """One socket frame's replies from the replica holding its session."""
+    async def _exchange(self, body: bytes, headers: dict[str, str]) -> AsyncGenerator[Reply, None]:
+        """One socket frame's replies from the replica holding its session; a failure to reach
+        one is an error reply, as HTTP's would be, and an answer left unread is cancelled."""
         route = route_of(body, headers)
         refusal = self._refusal(route)
         if refusal is not None:
             yield refusal
             return
         self._begin()
+        replies = self.replicas.remote(body, headers, route=route)
+        finished = False
         try:
-            async for reply in self.replicas.remote(body, headers, route=route):
+            async for reply in replies:
                 yield Reply(**reply)
+            finished = True
+        except Exception as exc:  # the replica died, or none is up: this frame's error
+            finished = True
+            yield error_reply(as_kit_error(exc))
         finally:
+            if not finished:
+                replies.cancel()  # the client left: the replica stops this answer
             self._end()
 
     async def http(self, request: Request) -> Response:
