@@ -143,3 +143,77 @@ def test_a_request_arriving_as_the_last_ends_extends_the_drain(
         return waited, await draining
 
     assert asyncio.run(run()) == (True, 0)
+
+
+class Call:
+    """What `replicas.remote(...)` gives for a socket frame: replies, or a failure; cancellable."""
+
+    def __init__(self, replies: list[dict[str, Any]], failure: Exception | None = None) -> None:
+        self.replies, self.failure, self.cancelled = replies, failure, False
+
+    def __aiter__(self) -> Call:
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        if self.replies:
+            return self.replies.pop(0)
+        if self.failure is not None:
+            raise self.failure
+        raise StopAsyncIteration
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class SocketReplicas(Replicas):
+    def __init__(self, call: Call) -> None:
+        super().__init__()
+        self.call = call
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        return self.call
+
+
+LINE = {"status": 200, "headers": {}, "content_type": "application/x-ndjson", "last": False}
+HELD = {"x-amzn-sagemaker-session-id": "a-1"}
+
+
+def exchange(front: Ingress, headers: dict[str, str], take: int | None = None) -> list[Any]:
+    """Run one socket frame's exchange, reading `take` replies (all if None)."""
+
+    async def run() -> list[Any]:
+        replies = front._exchange(b"{}", headers)
+        out = []
+        async for reply in replies:
+            out.append(reply)
+            if take is not None and len(out) == take:
+                await replies.aclose()  # the client left
+                break
+        return out
+
+    return asyncio.run(run())
+
+
+def test_a_replica_that_fails_under_a_socket_is_an_error_frame_and_is_counted_out() -> None:
+    call = Call([{**LINE, "body": b'{"text":"a"}\n'}], RuntimeError("the replica died"))
+    front = Ingress(SocketReplicas(call))
+    replies = exchange(front, HELD)
+    assert [r.status for r in replies] == [200, 500]
+    assert json.loads(replies[-1].body)["error"]["message"]
+    assert front.in_flight == 0 and not call.cancelled
+
+
+def test_an_answer_its_socket_left_is_cancelled_and_counted_out() -> None:
+    call = Call([{**LINE, "body": b'{"text":"a"}\n'}, {**LINE, "body": b'{"text":"b"}\n'}])
+    front = Ingress(SocketReplicas(call))
+    exchange(front, HELD, take=1)
+    assert call.cancelled and front.in_flight == 0
+
+
+def test_a_draining_ingress_refuses_a_socket_s_new_session() -> None:
+    call = Call([{**LINE, "body": b'{"text":"a"}\n', "last": True}])
+    front = Ingress(SocketReplicas(call))
+    asyncio.run(front.drain(0))
+    [refused] = exchange(front, {"x-amzn-sagemaker-session-id": "NEW_SESSION"})
+    assert refused.status == 503 and json.loads(refused.body)["error"]["code"] == "draining"
+    assert [r.status for r in exchange(front, HELD)] == [200]
