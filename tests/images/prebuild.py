@@ -24,6 +24,7 @@ from containers import REPO, build_image, daemon_up, standin, start_daemon
 STATE = REPO / "build" / "prebuild"
 STATUS = STATE / "status.json"
 LOG = STATE / "build.log"
+PID = STATE / "builder.pid"
 
 
 def start(images: list[str], watched: int) -> None:
@@ -31,7 +32,7 @@ def start(images: list[str], watched: int) -> None:
     STATE.mkdir(parents=True, exist_ok=True)
     STATUS.unlink(missing_ok=True)
     with open(LOG, "wb") as log:
-        subprocess.Popen(
+        builder = subprocess.Popen(
             [sys.executable, __file__, "build", str(watched), *images],
             stdin=subprocess.DEVNULL,
             stdout=log,
@@ -39,16 +40,19 @@ def start(images: list[str], watched: int) -> None:
             start_new_session=True,
             cwd=Path(__file__).parent,
         )
+    PID.write_text(str(builder.pid))
     print(f"building {', '.join(images)} in the background: {LOG}")
 
 
 def build(watched: int, images: list[str]) -> None:
     """Build each image, write the status, then keep dockerd (if started here) until the
     watched process ends."""
-    daemon = None if daemon_up() else start_daemon(STATE / "dockerd.log")
+    daemon = None
     built: dict[str, int] = {}
     status: dict[str, object] = {"built": built}
     try:
+        if not daemon_up():  # no Docker at all: the image tests say so themselves
+            daemon = start_daemon(STATE / "dockerd.log")
         base = standin()
         for name in images:
             front, engine = name.split("-", 1)
@@ -76,7 +80,11 @@ def _alive(pid: int) -> bool:
 def wait(timeout_s: float = 3600) -> int:
     """Wait for the background build; print what it built, or why it did not."""
     deadline = time.monotonic() + timeout_s
+    builder = int(PID.read_text()) if PID.exists() else None
     while not STATUS.exists():
+        if builder is None or not _alive(builder):  # it ended without a word: see its log
+            print("the background build ended without finishing:", _tail(), sep="\n")
+            return 0
         if time.monotonic() > deadline:
             print(f"the image build did not finish in {timeout_s:.0f} s: {LOG}")
             return 1
@@ -85,9 +93,14 @@ def wait(timeout_s: float = 3600) -> int:
     for tag, seconds in status["built"].items():
         print(f"prebuilt {tag} in {seconds} s")
     if "error" in status:
-        tail = LOG.read_text(errors="replace").splitlines()[-40:]
-        print("the background build failed:", status["error"], *tail, sep="\n")
+        print("the background build failed:", status["error"], _tail(), sep="\n")
     return 0  # the image tests report a failed build themselves
+
+
+def _tail(lines: int = 40) -> str:
+    if not LOG.exists():
+        return f"(no log at {LOG})"
+    return "\n".join(LOG.read_text(errors="replace").splitlines()[-lines:])
 
 
 if __name__ == "__main__":
