@@ -107,18 +107,23 @@ class SocketTransport:
                 if "status" in frame and "error" in frame:  # refused before the answer began
                     ended = True
                     raise ErrorResponse(_response(frame))
-                ended = "usage" in frame or "error" in frame
+                ended = _ends_answer(frame)
                 yield json.dumps(frame).encode() + b"\n"
         finally:
             with suppress(TransportError):  # a broken connection says so on its next call
                 while not ended and self._broken is None:  # left unread: its frames still come
                     frame = self._receive()
-                    ended = "usage" in frame or "error" in frame
+                    ended = _ends_answer(frame)
             self._streaming = False
 
     def close(self) -> None:
         """Close the connection; the session stays on the server until its TTL."""
         self._stack.close()
+
+
+def _ends_answer(frame: dict[str, Any]) -> bool:
+    """A streamed answer's last frame: its usage, or an error."""
+    return "usage" in frame or "error" in frame
 
 
 def _response(frame: dict[str, Any]) -> Response:
