@@ -86,12 +86,8 @@ class VllmReference(Reference):
         """Stop the engine core (and its process) now rather than at exit."""
         self.llm.llm_engine.engine_core.shutdown()
 
-    def greedy(
-        self, images: list[Any], messages: list[dict[str, Any]], max_new_tokens: int
-    ) -> Greedy:
-        """Answer greedily from scratch, keeping each step's most likely tokens."""
-        from vllm import SamplingParams
-
+    def request(self, images: list[Any], messages: list[dict[str, Any]]) -> dict[str, Any]:
+        """The conversation as vLLM's prompt: its ids and its pictures, named by content."""
         text = self.processor.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=False
         )
@@ -102,8 +98,32 @@ class VllmReference(Reference):
             request["multi_modal_uuids"] = {
                 "image": ["sha256:" + hashlib.sha256(p.tobytes()).hexdigest() for p in rgb]
             }
+        return request
+
+    def sampled(
+        self,
+        images: list[Any],
+        messages: list[dict[str, Any]],
+        max_new_tokens: int,
+        temperature: float,
+        seed: int,
+    ) -> list[int]:
+        """Sample an answer from scratch with a seed; return its ids (without the end id)."""
+        from vllm import SamplingParams
+
+        sampling = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_new_tokens)
+        [out] = self.llm.generate([self.request(images, messages)], sampling, use_tqdm=False)
+        answer = list(out.outputs[0].token_ids)
+        return answer[:-1] if answer and answer[-1] == self.eos else answer
+
+    def greedy(
+        self, images: list[Any], messages: list[dict[str, Any]], max_new_tokens: int
+    ) -> Greedy:
+        """Answer greedily from scratch, keeping each step's most likely tokens."""
+        from vllm import SamplingParams
+
         sampling = SamplingParams(temperature=0, max_tokens=max_new_tokens, logprobs=TOP_K)
-        [out] = self.llm.generate([request], sampling, use_tqdm=False)
+        [out] = self.llm.generate([self.request(images, messages)], sampling, use_tqdm=False)
         answer = list(out.outputs[0].token_ids)
         top = [
             sorted(step, key=lambda t: step[t].rank)[:TOP_K]

@@ -21,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
-from llava.core.errors import EngineFailed, EngineRestarting, InvalidRequest
+from llava.core.errors import EngineFailed, EngineRestarting
 from llava.engines.conversation.text import finish_answer, show
 from llava.engines.vllm.state import VllmTurn
 
@@ -54,7 +54,6 @@ class Requests:
     def __init__(self, llm: Any, eos_ids: set[int]) -> None:
         self.llm = llm
         self.eos_ids = eos_ids
-        self._whole_seeded = whole_seeded_prompt_limit(llm)
         self._running: dict[str, VllmTurn] = {}
         self._rendering: deque[Rendering] = deque()
         self._added: dict[str, Rendering] = {}  # what each request with pictures was, to resend
@@ -72,7 +71,6 @@ class Requests:
         (`refusal` turns vLLM's refusal of it, then, into the turn's error)."""
         sampling = self._sampling(turn)
         if not turn.images:
-            self._check_whole(len(turn.ids), sampling)
             self.llm.add_request(turn.request_id, _prompt(turn, with_pixels=False), sampling)
             self._running[turn.request_id] = turn
             return
@@ -108,21 +106,6 @@ class Requests:
             output_kind=RequestOutputKind.DELTA,
         )
 
-    def _check_whole(self, tokens: int, sampling: Any) -> None:
-        """Refuse a seeded sampled request whose prompt vLLM would split across steps where
-        that kills its engine core (a CPU: see `whole_seeded_prompt_limit`)."""
-        from vllm.sampling_params import SamplingType
-
-        limit = self._whole_seeded
-        if limit is None or sampling.sampling_type != SamplingType.RANDOM_SEED or tokens <= limit:
-            return
-        raise InvalidRequest(
-            f"on a CPU, vLLM cannot sample with a seed from a prompt longer than one of its "
-            f"steps ({tokens} tokens; a step takes {limit}): leave out `seed`, or raise the "
-            "server's step_token_budget",
-            field="seed",
-        )
-
     def _add_rendered(self) -> None:
         """Add, in the order they were rendered, the requests whose rendering has finished."""
         while self._rendering and self._rendering[0].future.done():
@@ -136,11 +119,6 @@ class Requests:
                 turn.error = done.refusal(failed)
                 continue
             rendered = done.future.result()
-            try:
-                self._check_whole(len(rendered["prompt_token_ids"]), done.sampling)
-            except InvalidRequest as exc:
-                turn.error = exc
-                continue
             self._running[turn.request_id] = turn
             try:
                 self.llm.add_request(turn.request_id, rendered, done.sampling)
@@ -264,19 +242,6 @@ class Requests:
         self._rendering.clear()
         self._added.clear()
         self.llm = llm
-        self._whole_seeded = whole_seeded_prompt_limit(llm)
-
-
-def whole_seeded_prompt_limit(llm: Any) -> int | None:
-    """The longest prompt a seeded sampled request may have on this engine, None for any: on a
-    CPU, one step's tokens (vLLM 0.32 rewinds a seeded request's generator after each partial
-    prefill, which its CPU generators cannot do: 'CPU Generator does not use offset' fails
-    the request and its engine core with it)."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return None
-    return int(llm.vllm_config.scheduler_config.max_num_batched_tokens)
 
 
 def _prompt(turn: VllmTurn, with_pixels: bool) -> Any:

@@ -40,7 +40,7 @@ def engine_args(model_dir: Path, config: ServerConfig) -> Any:
         enable_prefix_caching=True,
         block_size=block_size(config.kv_block_size, current_platform.is_cpu()),
         limit_mm_per_prompt={"image": config.max_images_per_session},
-        max_num_batched_tokens=step_tokens(config.step_token_budget),
+        max_num_batched_tokens=step_tokens(config.step_token_budget, current_platform.is_cpu()),
         # Sampling follows the request alone, as on the transformers engine: the checkpoint's
         # generation_config.json sets no defaults (its end-of-answer ids are passed per request).
         generation_config="vllm",
@@ -49,6 +49,7 @@ def engine_args(model_dir: Path, config: ServerConfig) -> Any:
 
 
 CPU_KV_CACHE_MAX = 8 * 2**30
+CPU_STEP_TOKENS = 64
 
 
 def kv_cache_bytes(configured_gb: float, on_cpu: bool) -> int | None:
@@ -66,15 +67,17 @@ def kv_cache_bytes(configured_gb: float, on_cpu: bool) -> int | None:
     return min(quarter, CPU_KV_CACHE_MAX) // 2**20 * 2**20
 
 
-def step_tokens(configured: int) -> int | None:
+def step_tokens(configured: int, on_cpu: bool) -> int | None:
     """The tokens one of vLLM's steps may take (its `max_num_batched_tokens`, chunked prefill's
-    budget): as configured, else vLLM's. Fewer tokens a step shorten streams' gaps while
-    pictures open (on llava15 here, 2 cores: 28x the quiet median gap at vLLM's 4,096, 12x at
-    256, 5.4x at 64; bench/results/gaps-vllm*.json), but on a CPU vLLM 0.32 fails a seeded
-    request whose prompt is chunked ("CPU Generator does not use offset") and its engine core
-    with it (requests.whole_seeded_prompt_limit refuses a lone one; seeded prompts arriving
-    together can still share a step), so the default stays vLLM's."""
-    return configured or None
+    budget): as configured, else 64 on a CPU, else vLLM's. Fewer tokens a step shorten streams'
+    gaps while pictures open: a CPU prefills about 0.45 ms a token here, so at vLLM's CPU default
+    (4,096) one llava15 picture's 576 tokens hold every stream for a quarter of a second (28x the
+    quiet median gap while 4 open, 12x at 256, 5.4x at 64; bench/results/gaps-vllm*.json). A
+    GPU's steps are fast enough for vLLM's own default. Seeded answers split across steps on a
+    CPU need the kit's vLLM plugin (cpu_seeds), which installing the kit registers."""
+    if configured:
+        return configured
+    return CPU_STEP_TOKENS if on_cpu else None
 
 
 def block_size(configured: int, on_cpu: bool) -> int | None:
