@@ -33,7 +33,8 @@ class Replicas:
     def remote(self, *args: Any, **kwargs: Any) -> Any:
         if not args:  # ready.remote(): answered once a replica has loaded
             return self._loaded()
-        return self._replies()
+        self.call = Streamed(self._replies())
+        return self.call
 
     async def _loaded(self) -> bool:
         await self.loaded.wait()
@@ -43,7 +44,23 @@ class Replicas:
         head = {"status": 200, "headers": {}, "content_type": "application/x-ndjson"}
         yield {**head, "body": b'{"text":"a"}\n', "last": False}
         await self.release.wait()
-        yield {"body": b'{"finish_reason":"stop"}\n'}
+        yield {**head, "body": b'{"finish_reason":"stop"}\n', "last": True}
+
+
+class Streamed:
+    """A replica's streamed replies as Ray hands them over: iterable, and cancellable."""
+
+    def __init__(self, replies: AsyncIterator[dict[str, Any]]) -> None:
+        self.replies, self.cancelled = replies, False
+
+    def __aiter__(self) -> Streamed:
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        return await self.replies.__anext__()
+
+    def cancel(self) -> None:
+        self.cancelled = True
 
 
 def request(path: str, headers: dict[str, str] | None = None) -> Request:
@@ -90,13 +107,14 @@ def test_drain_waits_for_a_stream_to_end() -> None:
 
 
 def test_a_stream_dropped_before_it_began_is_not_waited_for() -> None:
-    async def run() -> int:
-        front = Ingress(Replicas())
+    async def run() -> tuple[int, bool]:
+        replicas = Replicas()
+        front = Ingress(replicas)
         response: Any = await front.http(request("/invocations"))
         del response  # the client left before the first chunk was sent
-        return await front.drain(1)
+        return await front.drain(1), replicas.call.cancelled
 
-    assert asyncio.run(run()) == 0
+    assert asyncio.run(run()) == (0, True)  # counted out, and the replica's answer cancelled
 
 
 def test_draining_refuses_new_sessions_and_answers_held_ones() -> None:
@@ -217,3 +235,15 @@ def test_a_draining_ingress_refuses_a_socket_s_new_session() -> None:
     [refused] = exchange(front, {"x-amzn-sagemaker-session-id": "NEW_SESSION"})
     assert refused.status == 503 and json.loads(refused.body)["error"]["code"] == "draining"
     assert [r.status for r in exchange(front, HELD)] == [200]
+
+
+def test_a_replica_that_fails_before_answering_http_is_an_error_reply_and_is_counted_out() -> None:
+    """The same exchange as a socket frame's: the kit's error body, not a bare 500 from Ray."""
+    front = Ingress(SocketReplicas(Call([], RuntimeError("the replica died"))))
+
+    async def run() -> Any:
+        return await front.http(request("/invocations", dict(HELD)))
+
+    response = asyncio.run(run())
+    assert response.status_code == 500 and front.in_flight == 0
+    assert json.loads(response.body)["error"]["message"]

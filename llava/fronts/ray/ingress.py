@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import weakref
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
@@ -180,45 +179,30 @@ class Ingress:
             self._end()
 
     async def http(self, request: Request) -> Response:
-        """Answer one HTTP request: /ping here, the routed paths by a replica."""
+        """Answer one HTTP request: /ping here, the routed paths by a replica (`_exchange`)."""
         path = request.url.path
         if path in ("/ping", "/health"):
             return await self.health()
         if not path.startswith(ROUTED_PREFIXES):
             return not_found(path)
-        body = await request.body()
-        headers = dict(request.headers)
-        route = route_of(body, headers)
-        refusal = self._refusal(route)
-        if refusal is not None:
-            return Response(refusal.body, refusal.status, refusal.headers, refusal.content_type)
-        self._begin()
-        streaming = False
-        try:
-            replies = self.replicas.remote(body, headers, route=route)
-            first = await replies.__anext__()
-            head: dict[str, Any] = {
-                "status_code": first["status"],
-                "headers": first["headers"],
-                "media_type": first["content_type"],
-            }
-            if first["last"] is not False:
-                async for _ in replies:  # ends at once: lets Ray close the call on the replica
-                    pass
-                return Response(first["body"], **head)
-            rest = _rest(first["body"], replies)
-            # Counted out when the relay is gone: ended, or dropped before it began (a client
-            # that left at once), which no `finally` inside it would see.
-            weakref.finalize(rest, self._end)
-            streaming = True
-            return StreamingResponse(rest, **head)
-        finally:
-            if not streaming:
-                self._end()
+        replies = self._exchange(await request.body(), dict(request.headers))
+        first = await replies.__anext__()
+        head: dict[str, Any] = {
+            "status_code": first.status,
+            "headers": first.headers,
+            "media_type": first.content_type,
+        }
+        if first.last is not False:
+            async for _ in replies:  # ends at once: lets Ray close the call on the replica
+                pass
+            return Response(first.body, **head)
+        # A relay dropped before it began (a client that left at once) is never iterated: the
+        # exchange, already started, is closed when it is collected, and counted out then.
+        return StreamingResponse(_rest(first.body, replies), **head)
 
 
-async def _rest(first: bytes, replies: Any) -> AsyncIterator[bytes]:
+async def _rest(first: bytes, replies: AsyncIterator[Reply]) -> AsyncIterator[bytes]:
     """Relay a stream: its first chunk, then each chunk the replica yields."""
     yield first
     async for reply in replies:
-        yield reply["body"]
+        yield reply.body
