@@ -17,6 +17,7 @@ Writes bench/results/front.json and front.png.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -64,9 +65,14 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
-def ask(http: httpx.Client, url: str, sid: str, tokens: int, stream: bool) -> list[float]:
-    """One answer; return its chunks' arrival times (one time for a whole answer)."""
+def ask(
+    http: httpx.Client, url: str, sid: str, tokens: int, stream: bool, body_kb: int = 0
+) -> list[float]:
+    """One answer (adding a picture of about `body_kb` KB when asked, as a chat carrying a
+    picture sends one); return its chunks' arrival times (one time for a whole answer)."""
     body = {"type": "query", "prompt": "Describe it.", "max_new_tokens": tokens, "stream": stream}
+    if body_kb:
+        body["image"] = noise_uri(body_kb)
     times = [time.perf_counter()]
     with http.stream("POST", url, json=body, headers={**JSON, SESSION_HEADER: sid}) as r:
         if r.status_code != 200:
@@ -75,6 +81,21 @@ def ask(http: httpx.Client, url: str, sid: str, tokens: int, stream: bool) -> li
             if line:
                 times.append(time.perf_counter())
     return times
+
+
+def noise_uri(kb: int) -> str:
+    """A PNG data URI of random pixels, about `kb` KB on the wire (noise does not compress)."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    side = max(8, int((kb * 1024 * 3 / 4 / 3) ** 0.5))
+    pixels = np.random.default_rng(kb).integers(0, 256, (side, side, 3), dtype=np.uint8)
+    png = io.BytesIO()
+    Image.fromarray(pixels).save(png, format="PNG", compress_level=1)
+    return "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
 
 
 def cpu_seconds(processes: list[psutil.Process]) -> float:
@@ -88,7 +109,9 @@ def cpu_seconds(processes: list[psutil.Process]) -> float:
     return total
 
 
-def measure(url: str, pid: int, streams: int, tokens: int, stream: bool, step_s: float) -> dict:
+def measure(
+    url: str, pid: int, streams: int, tokens: int, stream: bool, step_s: float, body_kb: int = 0
+) -> dict:
     """`streams` sessions ask at once; return the figures against the engine's pace."""
     http = httpx.Client(timeout=600, limits=httpx.Limits(max_connections=streams + 4))
     picture = scene_uri(1)
@@ -104,7 +127,7 @@ def measure(url: str, pid: int, streams: int, tokens: int, stream: bool, step_s:
 
     def run(i: int) -> None:
         start.wait()
-        results[i] = ask(http, url, sids[i], tokens, stream)
+        results[i] = ask(http, url, sids[i], tokens, stream, body_kb)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(streams)]
     for thread in threads:
@@ -124,6 +147,7 @@ def measure(url: str, pid: int, streams: int, tokens: int, stream: bool, step_s:
         "streams": streams,
         "tokens": tokens,
         "stream": stream,
+        "body_kb": body_kb,
         "relayed": round((delivered / wall) / (streams / step_s), 3) if step_s else None,
         "cpu_us_per_token": round(cpu / delivered * 1e6, 1),
         "wall_s": round(wall, 3),
@@ -177,6 +201,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--step-ms", type=float, nargs="+", default=[7.0])
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--tokens", type=int, nargs="+", default=[32])
+    parser.add_argument(
+        "--body-kb",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="each question adds a picture of about this many KB (a body TorchServe may re-send)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "front.json")
     args = parser.parse_args(argv)
     if "ray" in args.fronts and os.environ.get("LLAVA_NETNS") != "1":
@@ -191,9 +222,10 @@ def main(argv: list[str] | None = None) -> None:
                 with served(front, Path(tmp), step_ms, in_flight, max(args.tokens)) as server:
                     url, pid = front_url(front, server)
                     for tokens in args.tokens:
-                        for streams in args.streams:
+                        for streams, kb in itertools.product(args.streams, args.body_kb):
                             for stream in (True, False):
-                                figures = measure(url, pid, streams, tokens, stream, step_ms / 1000)
+                                step_s = step_ms / 1000
+                                figures = measure(url, pid, streams, tokens, stream, step_s, kb)
                                 row = {"front": front, "step_ms": step_ms, **figures}
                                 print(json.dumps(row), flush=True)
                                 rows.append(row)
