@@ -59,7 +59,10 @@ def smr(runtime, monkeypatch):
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
     monkeypatch.delenv("AWS_PROFILE", raising=False)
-    config = Config(max_pool_connections=16, retries={"total_max_attempts": 1})
+    # boto3 waits 60 s for a reply, as SageMaker does; 12 sessions asking at once of two vLLM
+    # engines on 2 shared CPU cores can take longer than a GPU instance would (what is tested
+    # here is where each request goes and what it answers, not how fast).
+    config = Config(max_pool_connections=16, retries={"total_max_attempts": 1}, read_timeout=300)
     return boto3.client("sagemaker-runtime", region_name="us-east-1", config=config)
 
 
