@@ -66,13 +66,13 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def ask(
-    http: httpx.Client, url: str, sid: str, tokens: int, stream: bool, body_kb: int = 0
+    http: httpx.Client, url: str, sid: str, tokens: int, stream: bool, image: str | None = None
 ) -> list[float]:
-    """One answer (adding a picture of about `body_kb` KB when asked, as a chat carrying a
-    picture sends one); return its chunks' arrival times (one time for a whole answer)."""
+    """One answer (adding `image` when given, as a chat carrying a picture sends one); return
+    its chunks' arrival times (one time for a whole answer)."""
     body = {"type": "query", "prompt": "Describe it.", "max_new_tokens": tokens, "stream": stream}
-    if body_kb:
-        body["image"] = noise_uri(body_kb)
+    if image:
+        body["image"] = image
     times = [time.perf_counter()]
     with http.stream("POST", url, json=body, headers={**JSON, SESSION_HEADER: sid}) as r:
         if r.status_code != 200:
@@ -123,11 +123,12 @@ def measure(
     served = psutil.Process(pid)
     tree = [served, *served.children(recursive=True)]
     results: list[list[float]] = [[] for _ in sids]
+    added = noise_uri(body_kb) if body_kb else None  # made before the clock starts
     start = threading.Barrier(streams + 1)
 
     def run(i: int) -> None:
         start.wait()
-        results[i] = ask(http, url, sids[i], tokens, stream, body_kb)
+        results[i] = ask(http, url, sids[i], tokens, stream, added)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(streams)]
     for thread in threads:

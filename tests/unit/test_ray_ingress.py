@@ -247,3 +247,38 @@ def test_a_replica_that_fails_before_answering_http_is_an_error_reply_and_is_cou
     response = asyncio.run(run())
     assert response.status_code == 500 and front.in_flight == 0
     assert json.loads(response.body)["error"]["message"]
+
+
+class Unroutable(Replicas):
+    """Ray's handle failing as it is called (its router not set up): before any reply."""
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("Router is not initialized")
+
+
+def test_a_call_ray_refuses_at_once_is_an_error_reply_and_is_counted_out() -> None:
+    front = Ingress(Unroutable())
+
+    async def run() -> Any:
+        return await front.http(request("/invocations", dict(HELD)))
+
+    response = asyncio.run(run())
+    assert response.status_code == 500 and front.in_flight == 0
+    assert json.loads(response.body)["error"]["message"]
+
+
+def test_a_replica_lost_mid_stream_cuts_the_http_stream_it_cannot_finish() -> None:
+    """The status is sent: the stream is cut, as before, not ended with a stray JSON body."""
+    call = Call([{**LINE, "body": b'{"text":"a"}\n'}], RuntimeError("the replica died"))
+    front = Ingress(SocketReplicas(call))
+
+    async def run() -> list[bytes]:
+        response: Any = await front.http(request("/invocations", dict(HELD)))
+        chunks = []
+        with pytest.raises(RuntimeError, match="lost mid-stream"):
+            async for chunk in response.body_iterator:
+                chunks.append(chunk)
+        return chunks
+
+    assert asyncio.run(run()) == [b'{"text":"a"}\n']
+    assert front.in_flight == 0

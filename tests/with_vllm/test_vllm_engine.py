@@ -530,6 +530,8 @@ def test_seeded_answers_split_across_steps_equal_vllms_unsplit_ones(built: Any) 
     are split across steps (on a CPU, vLLM 0.32 alone kills its engine core there: 'CPU
     Generator does not use offset'; the kit's vLLM plugin, cpu_seeds, keeps the seed's meaning)
     and each equals vLLM's offline answer to the whole conversation with the same seed, unsplit."""
+    from vllm_reference import VllmReference
+
     from llava.engines.vllm import VllmEngine
 
     checkpoint = built("tiny-vllm")
@@ -548,11 +550,11 @@ def test_seeded_answers_split_across_steps_equal_vllms_unsplit_ones(built: Any) 
         assert not engine.step(turns)
     for turn in turns:
         engine.finish_turn(turn)
-    oracle = Oracle(Path(checkpoint))
-    for seed, pic, turn in zip((3, 4), pictures, turns, strict=True):
-        want = oracle.reference.sampled([pic], messages([], question, 0), 12, 0.8, seed)
-        assert turn.generated == want, f"seed {seed}"
     assert engine.requests.llm is core  # the same engine core answered throughout
+    oracle = VllmReference.on(checkpoint)  # kept for later tests, with the oracles' KV space
+    for seed, pic, turn in zip((3, 4), pictures, turns, strict=True):
+        want = oracle.sampled([pic], messages([], question, 0), 12, 0.8, seed)
+        assert turn.generated == want, f"seed {seed}"
 
 
 def test_a_worker_killed_while_its_engine_starts_leaves_no_vllm_process(built: Any) -> None:

@@ -70,14 +70,26 @@ def kv_cache_bytes(configured_gb: float, on_cpu: bool) -> int | None:
 def step_tokens(configured: int, on_cpu: bool) -> int | None:
     """The tokens one of vLLM's steps may take (its `max_num_batched_tokens`, chunked prefill's
     budget): as configured, else 64 on a CPU, else vLLM's. Fewer tokens a step shorten streams'
-    gaps while pictures open: a CPU prefills about 0.45 ms a token here, so at vLLM's CPU default
-    (4,096) one llava15 picture's 576 tokens hold every stream for a quarter of a second (28x the
-    quiet median gap while 4 open, 12x at 256, 5.4x at 64; bench/results/gaps-vllm*.json). A
+    gaps while pictures open: a CPU prefills about 0.45 ms a token here, so at vLLM's default
+    (2,048) one llava15 picture's 576 tokens hold every stream for a quarter of a second (28x the
+    quiet median gap while 4 open, 12x at 256, 5-11x at 64; bench/results/gaps-vllm*.json). vLLM
+    then runs at most 64 requests at once (its max_num_seqs follows the budget when unset). A
     GPU's steps are fast enough for vLLM's own default. Seeded answers split across steps on a
     CPU need the kit's vLLM plugin (cpu_seeds), which installing the kit registers."""
     if configured:
         return configured
     return CPU_STEP_TOKENS if on_cpu else None
+
+
+SEEDS_PLUGIN = "llava_cpu_seeds"  # pyproject.toml's vllm.general_plugins entry (cpu_seeds.py)
+
+
+def keep_plugin(name: str) -> None:
+    """Keep the kit's vLLM plugin loaded where VLLM_PLUGINS names which plugins vLLM loads
+    (unset: all): without cpu_seeds a seeded prompt split across steps kills a CPU's core."""
+    allowed = [p for p in os.environ.get("VLLM_PLUGINS", "").split(",") if p]
+    if "VLLM_PLUGINS" in os.environ and name not in allowed:
+        os.environ["VLLM_PLUGINS"] = ",".join([*allowed, name])
 
 
 def block_size(configured: int, on_cpu: bool) -> int | None:
@@ -96,6 +108,7 @@ def start_engine(model_dir: Path, config: ServerConfig) -> Any:
     from vllm.v1.engine.llm_engine import LLMEngine
 
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")  # the worker's logging stays its own
+    keep_plugin(SEEDS_PLUGIN)
     log.info("starting vLLM's engine on %s", model_dir)
     reaper = start_reaper()  # first: a worker that dies while the core starts must not leave it
     try:

@@ -164,9 +164,10 @@ class Ingress:
             yield refusal
             return
         self._begin()
-        replies = self.replicas.remote(body, headers, route=route)
+        replies = None
         finished = False
         try:
+            replies = self.replicas.remote(body, headers, route=route)
             async for reply in replies:
                 yield Reply(**reply)
             finished = True
@@ -174,7 +175,7 @@ class Ingress:
             finished = True
             yield error_reply(as_kit_error(exc))
         finally:
-            if not finished:
+            if not finished and replies is not None:
                 replies.cancel()  # the client left: the replica stops this answer
             self._end()
 
@@ -202,7 +203,11 @@ class Ingress:
 
 
 async def _rest(first: bytes, replies: AsyncIterator[Reply]) -> AsyncIterator[bytes]:
-    """Relay a stream: its first chunk, then each chunk the replica yields."""
+    """Relay a stream: its first chunk, then each chunk the replica yields. A whole reply
+    after the first chunk is the exchange's error for a replica lost mid-stream: the response
+    is cut (its status is already sent), as a stream the replica could not finish."""
     yield first
     async for reply in replies:
+        if reply.last is None:
+            raise RuntimeError(f"the replica was lost mid-stream: {reply.body[:200]!r}")
         yield reply.body
