@@ -163,28 +163,20 @@ def test_a_request_arriving_as_the_last_ends_extends_the_drain(
     assert asyncio.run(run()) == (True, 0)
 
 
-class Call:
-    """What `replicas.remote(...)` gives for a socket frame: replies, or a failure; cancellable."""
+def replica_call(replies: list[dict[str, Any]], failure: Exception | None = None) -> Streamed:
+    """What `replicas.remote(...)` gives for a socket frame: replies, then a failure if any."""
 
-    def __init__(self, replies: list[dict[str, Any]], failure: Exception | None = None) -> None:
-        self.replies, self.failure, self.cancelled = replies, failure, False
+    async def relayed() -> AsyncIterator[dict[str, Any]]:
+        for reply in replies:
+            yield reply
+        if failure is not None:
+            raise failure
 
-    def __aiter__(self) -> Call:
-        return self
-
-    async def __anext__(self) -> dict[str, Any]:
-        if self.replies:
-            return self.replies.pop(0)
-        if self.failure is not None:
-            raise self.failure
-        raise StopAsyncIteration
-
-    def cancel(self) -> None:
-        self.cancelled = True
+    return Streamed(relayed())
 
 
 class SocketReplicas(Replicas):
-    def __init__(self, call: Call) -> None:
+    def __init__(self, call: Streamed) -> None:
         super().__init__()
         self.call = call
 
@@ -213,7 +205,7 @@ def exchange(front: Ingress, headers: dict[str, str], take: int | None = None) -
 
 
 def test_a_replica_that_fails_under_a_socket_is_an_error_frame_and_is_counted_out() -> None:
-    call = Call([{**LINE, "body": b'{"text":"a"}\n'}], RuntimeError("the replica died"))
+    call = replica_call([{**LINE, "body": b'{"text":"a"}\n'}], RuntimeError("the replica died"))
     front = Ingress(SocketReplicas(call))
     replies = exchange(front, HELD)
     assert [r.status for r in replies] == [200, 500]
@@ -222,14 +214,14 @@ def test_a_replica_that_fails_under_a_socket_is_an_error_frame_and_is_counted_ou
 
 
 def test_an_answer_its_socket_left_is_cancelled_and_counted_out() -> None:
-    call = Call([{**LINE, "body": b'{"text":"a"}\n'}, {**LINE, "body": b'{"text":"b"}\n'}])
+    call = replica_call([{**LINE, "body": b'{"text":"a"}\n'}, {**LINE, "body": b'{"text":"b"}\n'}])
     front = Ingress(SocketReplicas(call))
     exchange(front, HELD, take=1)
     assert call.cancelled and front.in_flight == 0
 
 
 def test_a_draining_ingress_refuses_a_socket_s_new_session() -> None:
-    call = Call([{**LINE, "body": b'{"text":"a"}\n', "last": True}])
+    call = replica_call([{**LINE, "body": b'{"text":"a"}\n', "last": True}])
     front = Ingress(SocketReplicas(call))
     asyncio.run(front.drain(0))
     [refused] = exchange(front, {"x-amzn-sagemaker-session-id": "NEW_SESSION"})
@@ -239,7 +231,7 @@ def test_a_draining_ingress_refuses_a_socket_s_new_session() -> None:
 
 def test_a_replica_that_fails_before_answering_http_is_an_error_reply_and_is_counted_out() -> None:
     """The same exchange as a socket frame's: the kit's error body, not a bare 500 from Ray."""
-    front = Ingress(SocketReplicas(Call([], RuntimeError("the replica died"))))
+    front = Ingress(SocketReplicas(replica_call([], RuntimeError("the replica died"))))
 
     async def run() -> Any:
         return await front.http(request("/invocations", dict(HELD)))
@@ -269,7 +261,7 @@ def test_a_call_ray_refuses_at_once_is_an_error_reply_and_is_counted_out() -> No
 
 def test_a_replica_lost_mid_stream_cuts_the_http_stream_it_cannot_finish() -> None:
     """The status is sent: the stream is cut, as before, not ended with a stray JSON body."""
-    call = Call([{**LINE, "body": b'{"text":"a"}\n'}], RuntimeError("the replica died"))
+    call = replica_call([{**LINE, "body": b'{"text":"a"}\n'}], RuntimeError("the replica died"))
     front = Ingress(SocketReplicas(call))
 
     async def run() -> list[bytes]:
