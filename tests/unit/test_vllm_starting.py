@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from llava.engines.vllm.starting import SEEDS_PLUGIN, keep_plugin, step_tokens
@@ -30,8 +32,6 @@ def test_a_plugin_list_keeps_the_kits_seed_plugin(
     else:
         monkeypatch.setenv("VLLM_PLUGINS", before)
     keep_plugin(SEEDS_PLUGIN)
-    import os
-
     assert os.environ.get("VLLM_PLUGINS") == after
 
 
