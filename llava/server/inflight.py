@@ -91,6 +91,15 @@ class Answering(Generic[TurnT]):
         self.sent_tokens = tokens
         return reply
 
+    def send_head(self) -> Reply | None:
+        """Send a whole answer's head (200) with its first token, as a stream's goes: the answer
+        follows as the body's one chunk. TorchServe's handler asks this for large requests,
+        whose bodies TorchServe otherwise re-sends every step until they have a reply."""
+        if self.stream or self.streaming or not self.turn.generated:
+            return None
+        self.sent_tokens = len(self.turn.generated)
+        return Reply(b"", headers=self.headers, last=False)
+
     def finished(self, **more_usage: Any) -> Reply:
         """The reply of a finished answer: its last stream chunk, or the whole response."""
         turn = self.turn
@@ -99,10 +108,15 @@ class Answering(Generic[TurnT]):
             return self.stream_reply(
                 self.replies.last(turn.delta, usage, turn.finish_reason), last=True
             )
-        return Reply(self.replies.whole(turn.text, usage, turn.finish_reason), headers=self.headers)
+        whole = self.replies.whole(turn.text, usage, turn.finish_reason)
+        if self.streaming:  # its head went out early (`send_head`): the body's one chunk
+            return Reply(whole, last=True)
+        return Reply(whole, headers=self.headers)
 
     def failed(self, error: KitError) -> Reply:
-        """The reply of a failed answer: in-band once the stream has started, else an error."""
+        """The reply of a failed answer: in-band once its head has gone out, else an error."""
+        if self.streaming and not self.stream:  # the whole answer's body is the error
+            return Reply(error_reply(error).body, last=True)
         if self.streaming:  # the head is gone: report in-band and end the stream
             kind = self.replies.stream_content_type
             return Reply(self.replies.error(error.to_body()), content_type=kind, last=True)

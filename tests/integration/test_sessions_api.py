@@ -3,6 +3,7 @@ bodies, and answers."""
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from datetime import datetime, timezone
@@ -12,6 +13,8 @@ from engine_under_test import assert_reused, oracle
 from helpers import ask, data_uri, make_image, open_session, post
 
 from llava.api.headers import CLOSED_SESSION_HEADER, NEW_SESSION, NEW_SESSION_HEADER, SESSION_HEADER
+from llava.fronts.torchserve.handler import EARLY_HEAD_BYTES
+from llava.fronts.torchserve.launcher import TorchServe
 
 pytestmark = pytest.mark.integration
 
@@ -133,14 +136,34 @@ def test_streaming_sends_deltas_then_usage(front, client, reference):
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("application/x-ndjson")
         lines = [line for line in r.iter_lines() if line]
-    import json
-
     events = [json.loads(line) for line in lines]
     assert "usage" in events[-1] and all("text" in e for e in events[:-1])
     assert len(events) > 2  # really streamed in pieces
     text = "".join(e["text"] for e in events[:-1])
     assert text == reference.answers(image, ["Tell me more."], 16)[0]
     assert events[-1]["usage"]["generated_tokens"] >= 1
+
+
+def test_a_large_whole_answer_is_the_same_answer(front, client, reference):
+    """A whole answer to a request of 64 KiB or more (a chat carrying pictures) sends its head
+    with its first token on TorchServe, so its body crosses into the worker once, not once a
+    step; the answer it gets is the one a small request gets."""
+    url = front.url("/invocations")
+    image = make_image(16)
+    question = {"type": "query", "prompt": "Tell me more.", "max_new_tokens": 16}
+    replies = []
+    for padding in (0, EARLY_HEAD_BYTES):  # JSON's whitespace, in place of a picture's bytes
+        sid = open_session(client, url, data_uri(image))
+        content = json.dumps(question).encode() + b" " * padding
+        headers = {"Content-Type": "application/json", SESSION_HEADER: sid}
+        replies.append(client.post(url, content=content, headers=headers))
+    small, large = replies
+    assert small.status_code == large.status_code == 200, large.text
+    assert small.json()["text"] == large.json()["text"]
+    assert small.json()["text"] == reference.answers(image, ["Tell me more."], 16)[0]
+    assert "content-length" in small.headers
+    if isinstance(front, TorchServe):
+        assert large.headers.get("transfer-encoding") == "chunked"  # its head went out early
 
 
 def test_a_long_stream_arrives_piece_by_piece(front, client):

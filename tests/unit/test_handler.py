@@ -21,7 +21,7 @@ from llava.api.replies import Reply
 from llava.core.errors import ImageError
 from llava.core.params import GenerationParams
 from llava.fronts.assembly import freeze_startup_objects
-from llava.fronts.torchserve.handler import SessionHandler
+from llava.fronts.torchserve.handler import EARLY_HEAD_BYTES, SessionHandler
 from llava.server.service import SessionService
 from llava.sessions.store import SessionStore
 
@@ -128,16 +128,20 @@ class FakeEngine:
         return FakeTurn(prompt.split())
 
     def step(self, turns: list[FakeTurn]) -> dict[int, BaseException]:
-        for turn in turns:
+        errors: dict[int, BaseException] = {}
+        for i, turn in enumerate(turns):
             if turn.done:
                 continue
             word = turn.words[len(turn.generated)]
+            if word == "boom":
+                errors[i] = RuntimeError("the engine failed mid-answer")
+                continue
             turn.delta = word if not turn.generated else " " + word
             turn.generated.append(word)
             turn.text += turn.delta
             if len(turn.generated) == len(turn.words):
                 turn.done, turn.finish_reason = True, "stop"
-        return {}
+        return errors
 
     def finish_turn(self, turn: FakeTurn) -> None:
         pass
@@ -388,6 +392,47 @@ def test_empty_batch_sets_empty_criteria(handler: SessionHandler) -> None:
     context = FakeContext([])
     assert handler.handle([], context) == []
     assert context.stopping_criteria == []
+
+
+def whole_answer_steps(
+    handler: SessionHandler, sid: str, request: bytes
+) -> list[tuple[bytes, FakeContext]]:
+    """Every step of a whole answer, its body re-sent as TorchServe does: each step until
+    the request has had a reply, none after."""
+    steps: list[tuple[bytes, FakeContext]] = []
+    replied = False
+    while not steps or not steps[-1][1].request_ids or stops(steps[-1][1]) == [False]:
+        outputs, context = call(handler, [("w", {} if replied else request, {SESSION_HEADER: sid})])
+        replied = replied or bool(context.request_ids)
+        steps.append((outputs[0], context))
+    return steps
+
+
+def test_a_large_whole_answer_sends_its_head_with_its_first_token(handler: SessionHandler) -> None:
+    sid = open_session(handler)
+    small = body("query", prompt="a b c")
+    large = small + b" " * EARLY_HEAD_BYTES  # JSON's whitespace: a picture's bytes, say
+    [(answer, kept)] = whole_answer_steps(handler, sid, small)[-1:]
+    assert stops(kept) == [None] and kept.statuses == {0: (200, "OK")}
+    head, *middle, last = whole_answer_steps(handler, sid, large)
+    assert head[0] == b"" and stops(head[1]) == [False]
+    assert head[1].statuses == {0: (200, "OK")} and head[1].content_types == {0: JSON_CONTENT_TYPE}
+    assert [context.request_ids for _, context in middle] == [{}]  # withheld, body not re-sent
+    assert stops(last[1]) == [True]
+    assert json.loads(last[0]) == json.loads(answer)  # the same answer, as the body's one chunk
+
+
+def test_a_large_whole_answer_that_fails_after_its_head_ends_with_the_error_body(
+    handler: SessionHandler,
+) -> None:
+    sid = open_session(handler)
+    request = body("query", prompt="a boom") + b" " * EARLY_HEAD_BYTES
+    head, last = whole_answer_steps(handler, sid, request)
+    assert stops(head[1]) == [False]
+    assert stops(last[1]) == [True]
+    assert json.loads(last[0])["error"]["code"] == "internal_error"
+    small = whole_answer_steps(handler, sid, body("query", prompt="a boom"))[-1]
+    assert small[1].statuses == {0: (500, "Internal Server Error")}  # its status kept
 
 
 class StubService:

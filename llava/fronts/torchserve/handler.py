@@ -4,7 +4,8 @@ TorchServe 0.12's continuous batching (without sequence batching) calls `handle(
 step with every active request. The rules this adapter follows (docs/torchserve.md):
 - a request's body arrives only on its first step; state is keyed by `context.request_ids`;
 - removing a request's index from `context.request_ids` sends nothing for it this step: the
-  frontend keeps the job and re-sends it next step (how a whole answer waits for its last token);
+  frontend keeps the job and re-sends it next step (how a whole answer waits for its last token),
+  with its whole body until the request has had a reply (`EARLY_HEAD_BYTES`);
 - `context.stopping_criteria` holds one function per position that cannot raise: None = whole
   response, False = more chunks to come, True = last chunk;
 - `handle()` never raises, because an exception would fail every request in the batch.
@@ -42,6 +43,16 @@ def _constant(value: bool | None) -> Any:
 
 
 _WHOLE, _MORE, _LAST = _constant(None), _constant(False), _constant(True)
+
+# A whole answer to a request this large sends its head (200, chunked) with its first token, as
+# a stream does: TorchServe re-sends a request's body to the worker every step until the request
+# has had a reply (docs/performance.md measures what that costs). Smaller requests keep their
+# head, so a late failure keeps its status.
+EARLY_HEAD_BYTES = 64 * 1024
+
+
+def _size(body: Any) -> int:
+    return len(body) if isinstance(body, (bytes, bytearray, str)) else 0
 
 
 def _phrase(status: int) -> str:
@@ -123,6 +134,9 @@ class SessionHandler:
             if self.service is None:
                 raise RuntimeError("handle() called before initialize()")
             replies = self.service.step(batch)
+            for i, item in enumerate(batch):
+                if replies[i] is None and _size(item.body) >= EARLY_HEAD_BYTES:
+                    replies[i] = self.service.send_head(item.request_id)
         except Exception as exc:  # a bug above the per-request guards: still answer each one
             replies = [error_reply(internal_error(exc))] * len(data)
         self._report(context)
