@@ -31,6 +31,7 @@ class Recorder(openai.OpenAI):
 
     sent: list[list[dict[str, Any]]] = []
     usage: list[Any] = []
+    answers: list[str] = []  # what the kit answered, as the client read it
     done = threading.Semaphore(0)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -45,6 +46,7 @@ class Recorder(openai.OpenAI):
                 return self._watched(create(**kw))
             reply = create(**kw)
             Recorder.usage.append(reply.usage)
+            Recorder.answers.append(reply.choices[0].message.content or "")
             Recorder.done.release()
             return reply
 
@@ -52,12 +54,15 @@ class Recorder(openai.OpenAI):
 
     @staticmethod
     def _watched(stream: Any) -> Iterator[Any]:
+        text = []
         try:
             for chunk in stream:
                 if chunk.usage is not None:
                     Recorder.usage.append(chunk.usage)
+                text += [c.delta.content or "" for c in chunk.choices]
                 yield chunk
         finally:
+            Recorder.answers.append("".join(text))
             Recorder.done.release()
 
 
@@ -104,6 +109,7 @@ def test_gradio_load_chat_in_a_real_browser(app_url, tiny_checkpoint, tmp_path):
     make_image(306, (64, 48)).save(picture)
     Recorder.sent.clear()
     Recorder.usage.clear()
+    Recorder.answers.clear()
     with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=chromium(), args=["--no-sandbox"])
         page = browser.new_page(viewport={"width": 1280, "height": 900})
@@ -119,9 +125,13 @@ def test_gradio_load_chat_in_a_real_browser(app_url, tiny_checkpoint, tmp_path):
                 assert Recorder.done.acquire(timeout=120), f"turn {turn + 1} got no answer"
                 sent = Recorder.sent[-1]
                 expected = reference.chat_answer(sent, pictures(sent), 256)
+                assert Recorder.answers[-1] == expected, "the kit's answer is not the pipeline's"
+                # what the page shows: HTML collapses runs of spaces (a random model's answers
+                # hold some), so both sides are compared with theirs collapsed
                 page.wait_for_function(
-                    "text => [...document.querySelectorAll('[data-testid=\"bot\"]')]"
-                    ".some(b => b.innerText.trim() === text.trim())",
+                    "text => { const flat = t => t.replace(/\\s+/g, ' ').trim();"
+                    " return [...document.querySelectorAll('[data-testid=\"bot\"]')]"
+                    ".some(b => flat(b.innerText) === flat(text)); }",
                     arg=expected,
                     timeout=60_000,
                 )

@@ -1,11 +1,12 @@
-"""A worker pushed past its device and host budgets keeps answering correctly."""
+"""A worker pushed past its device and host budgets keeps answering correctly (on vLLM: past
+its host budget; vLLM holds its own KV cache)."""
 
 from __future__ import annotations
 
 import httpx
 import pytest
 from conftest import assert_no_worker_death, start_server
-from engine_under_test import oracle
+from engine_under_test import ON_VLLM, oracle
 from helpers import ask, data_uri, make_image, open_session, post
 
 pytestmark = pytest.mark.integration
@@ -42,14 +43,18 @@ def test_sessions_move_down_the_tiers_and_answers_stay_correct(
                 tiers.append(body["usage"]["session_tier"])
                 assert body["text"] == reference.answers(image, ["What is this?"], 8)[0]
             assert evicted >= 1  # past the host budget the oldest sessions went
-            assert {"host", "features"} & set(tiers)  # the others came back from lower tiers
+            if ON_VLLM:  # no tiers of the kit's: vLLM pages its own (salted) prefix cache, and
+                # a session is found there or rebuilt from its kept picture (docs/vllm.md)
+                assert set(tiers) <= {"device", "features"}
+            else:
+                assert {"host", "features"} & set(tiers)  # the others came back from lower tiers
             follow = ask(client, url, sids[-1], "And then?", max_new_tokens=8)
             assert (
                 follow["text"]
                 == reference.answers(images[-1], ["What is this?", "And then?"], 8)[1]
             )
         metrics = (ts.log_dir / "model_metrics.log").read_text()
-        assert "LlavaSessions" in metrics and "Tier:features" in metrics
+        assert "LlavaSessions" in metrics and (ON_VLLM or "Tier:features" in metrics)
         assert_no_worker_death(ts)
     finally:
         ts.stop()

@@ -113,7 +113,7 @@ class TorchServe:
         return path
 
     def start(self, timeout_s: float = 180.0) -> TorchServe:
-        """Start TorchServe and wait until its model's worker answers /ping."""
+        """Start TorchServe and wait until its model's worker is ready."""
         self.workdir.mkdir(parents=True, exist_ok=True)
         torchserve = shutil.which("torchserve", path=str(self._bin)) or "torchserve"
         with open(self.workdir / "torchserve.out", "ab") as out:
@@ -136,16 +136,19 @@ class TorchServe:
         return self
 
     def wait_ready(self, timeout_s: float) -> None:
-        """Poll /ping until Healthy (every model has its workers up) or fail with the logs' tail."""
+        """Poll until /ping is 200 and the model's worker is READY, or fail with the logs' tail.
+        TorchServe's own /ping is 200 while its worker still loads the model (a minute for
+        vLLM's engine here); the image's /ping (docker/torchserve/ready-ping) waits for it."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if "Torchserve stopped" in self.log_tail(20):
                 break  # it gave up (a port taken, a bad config): do not wait for nothing
             try:
-                if httpx.get(self.url("/ping"), timeout=2).status_code == 200:
+                pinged = httpx.get(self.url("/ping"), timeout=2).status_code == 200
+                if pinged and self.worker()["status"] == "READY":
                     return
-            except httpx.HTTPError:
-                pass
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass  # not up yet, or no worker registered yet
             time.sleep(0.5)
         raise RuntimeError(
             f"TorchServe on port {self.port} not healthy after {timeout_s} s; last log lines:\n"
