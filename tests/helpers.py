@@ -461,11 +461,17 @@ def only_tombstones(
     client: Any, bucket: str, store_uri: str, sids: Iterable[str], model: str = "llava"
 ) -> bool:
     """Whether every object in a shared store's bucket is the tombstone of one of `sids`: a
-    closed session leaves one (no stale write can bring it back), and nothing else stays."""
+    closed session leaves one (no stale write can bring it back), and nothing else stays but
+    parts (pictures of 64 KiB or more, shared by content: the bucket's lifecycle rule ends
+    them, `llava/sessions/stored_parts.py`)."""
+    from llava.sessions.objects import StoreLocation
     from llava.sessions.sealed import unseal
 
     key, names = _store_names(store_uri, sids, model)
+    parts = StoreLocation.parse(store_uri).under(model).part_key("")
     for item in client.list_objects_v2(Bucket=bucket).get("Contents", []):
+        if item["Key"].startswith(parts):
+            continue
         sid = names.get(item["Key"])
         if sid is None:
             return False
