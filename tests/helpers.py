@@ -100,14 +100,18 @@ class Reference:
                 out.append({"role": "assistant", "content": [{"type": "text", "text": answer}]})
         return out
 
-    def inputs(self, images: list[Image.Image], messages: list[dict[str, Any]]) -> dict[str, Any]:
-        """The model's inputs for a conversation: rendered with the chat template, through the
-        processor, on the model's device."""
+    def processed(self, images: list[Image.Image], messages: list[dict[str, Any]]) -> Any:
+        """A conversation rendered with the chat template, through the processor (its ids are
+        the pipeline's on either engine: vLLM's oracle has no transformers model)."""
         text = self.processor.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=False
         )
         pictures = {"images": [images]} if images else {}
-        inputs = self.processor(text=[text], return_tensors="pt", **pictures)
+        return self.processor(text=[text], return_tensors="pt", **pictures)
+
+    def inputs(self, images: list[Image.Image], messages: list[dict[str, Any]]) -> dict[str, Any]:
+        """The model's inputs for a conversation (`processed`), on the model's device."""
+        inputs = self.processed(images, messages)
         device = self.model.device
         return {
             k: v.to(device, self.model.dtype) if v.is_floating_point() else v.to(device)
