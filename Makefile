@@ -179,7 +179,7 @@ test-vllm: venv-vllm
 # and the pass ends with the count of each. Ray Serve runs too, so in a private network namespace.
 # `make test` runs VLLM_INTEGRATION_IN_TEST of it for CI's time (exact answers, the session and
 # OpenAI APIs on both fronts, every chat client, added pictures, pictures named by uuid);
-# `make test-vllm-integration` runs it all (about 40 min here).
+# `make test-vllm-integration` runs it all (46 min on 2 cores).
 VLLM_INTEGRATION = unshare -n sh -c 'ip link set lo up && LLAVA_NETNS=1 LLAVA_TEST_ENGINE=vllm \
 	LLAVA_GPU_LOGIC=cpu $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider -rfEs $(1)'
 VLLM_INTEGRATION_IN_TEST ?= $(addprefix tests/integration/test_,$(addsuffix .py,exact_answers \
