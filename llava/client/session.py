@@ -7,7 +7,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from llava.api.headers import NEW_SESSION, NEW_SESSION_HEADER, SESSION_HEADER, STREAM_CONTENT_TYPE
@@ -391,4 +391,6 @@ def _json_body(response: Response) -> dict[str, Any]:
         ) from exc
     if not isinstance(obj, dict):
         raise TransportError("answer is not a JSON object", response=response)
+    if isinstance(obj.get("error"), dict):  # a large whole answer that failed after its head
+        raise error_for(replace(response, status=max(response.status, 500)))  # went (docs/api.md)
     return obj

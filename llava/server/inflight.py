@@ -19,7 +19,8 @@ from llava.sessions.session import Session, Slot
 
 @dataclass(frozen=True)
 class Incoming:
-    """One request as seen in one step: its id, its body (first step only) and its headers."""
+    """One request as seen in one step: its id, its body (until it has had a reply) and its
+    headers."""
 
     request_id: str
     body: Any
@@ -62,7 +63,7 @@ class Answering(Generic[TurnT]):
     key: str | None = None  # ... under this conversation key (`chats.py`)
     kept: bool = False  # ... which it was: the state lives on in the store
     admitted: float = field(default_factory=time.monotonic)
-    sent_tokens: int = 0  # tokens whose line has gone out
+    sent_tokens: int = 0  # tokens out with the head or a line (`streaming` once any)
     headers: dict[str, str] = field(default_factory=dict)  # sent with the first reply
 
     def overdue(self, limit_s: float | None, now: float) -> bool:
@@ -73,7 +74,8 @@ class Answering(Generic[TurnT]):
 
     @property
     def streaming(self) -> bool:
-        """The HTTP head has gone out: it goes with the first token's line."""
+        """The HTTP head has gone out: with the first token's line, or a large whole answer's
+        first token (`head_reply`)."""
         return self.sent_tokens > 0
 
     def chunk(self) -> Reply | None:
@@ -91,10 +93,9 @@ class Answering(Generic[TurnT]):
         self.sent_tokens = tokens
         return reply
 
-    def send_head(self) -> Reply | None:
-        """Send a whole answer's head (200) with its first token, as a stream's goes: the answer
-        follows as the body's one chunk. TorchServe's handler asks this for large requests,
-        whose bodies TorchServe otherwise re-sends every step until they have a reply."""
+    def head_reply(self) -> Reply | None:
+        """A whole answer's head (200, no body) once its first token is out, as a stream's goes:
+        TorchServe re-sends a request's body every step until it has had a reply."""
         if self.stream or self.streaming or not self.turn.generated:
             return None
         self.sent_tokens = len(self.turn.generated)
@@ -109,7 +110,7 @@ class Answering(Generic[TurnT]):
                 self.replies.last(turn.delta, usage, turn.finish_reason), last=True
             )
         whole = self.replies.whole(turn.text, usage, turn.finish_reason)
-        if self.streaming:  # its head went out early (`send_head`): the body's one chunk
+        if self.streaming:  # its head went out early (`head_reply`): the body's one chunk
             return Reply(whole, last=True)
         return Reply(whole, headers=self.headers)
 

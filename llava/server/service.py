@@ -136,10 +136,10 @@ class SessionService(Generic[StateT, TurnT]):
         replies.update(self._advance_answers())
         return [replies.get(item.request_id) for item in batch]
 
-    def send_head(self, request_id: str) -> Reply | None:
-        """A whole answer's head, once its first token is out (`Answering.send_head`)."""
+    def head_reply(self, request_id: str) -> Reply | None:
+        """A whole answer's head, once its first token is out (`Answering.head_reply`)."""
         work = self._work.get(request_id)
-        return work.send_head() if isinstance(work, Answering) else None
+        return work.head_reply() if isinstance(work, Answering) else None
 
     # -- admission -------------------------------------------------------------------------
     def _guard(self, fn: Any, item: Incoming | None) -> Reply | None:

@@ -145,9 +145,9 @@ def test_streaming_sends_deltas_then_usage(front, client, reference):
 
 
 def test_a_large_whole_answer_is_the_same_answer(front, client, reference):
-    """A whole answer to a request of 64 KiB or more (a chat carrying pictures) sends its head
-    with its first token on TorchServe, so its body crosses into the worker once, not once a
-    step; the answer it gets is the one a small request gets."""
+    """A whole answer to a request of 64 KiB or more (a chat carrying pictures) comes chunked on
+    TorchServe, its head sent with its first token (tests/unit/test_handler.py holds when its
+    body stops being re-sent); the answer it gets is the one a small request gets."""
     url = front.url("/invocations")
     image = make_image(16)
     question = {"type": "query", "prompt": "Tell me more.", "max_new_tokens": 16}

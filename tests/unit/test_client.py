@@ -31,6 +31,7 @@ from llava.client import (
 from llava.core.errors import (
     Cancelled,
     CapacityExceeded,
+    Draining,
     ImageTooLarge,
     InvalidRequest,
     KitError,
@@ -281,6 +282,19 @@ def test_stream_error_line_raises_the_typed_error():
         for delta in s.stream("hi"):
             got.append(delta)
     assert got == ["A"] and s.closed
+
+
+def test_a_whole_answer_that_failed_after_its_head_raises_the_typed_error():
+    """TorchServe sends a large whole answer's head with its first token: a later failure comes
+    as its error body under 200 (docs/api.md), and is an error all the same."""
+    failed = ok({"error": {"code": "draining", "message": "this instance is stopping"}})
+    broken = ok({"error": {"code": "internal_error", "message": "see the worker log"}})
+    s = SessionClient(RecordingTransport(OPENED, failed, broken)).session(image="https://x/y.png")
+    with pytest.raises(Draining, match="stopping"):
+        s.ask("hi")
+    with pytest.raises(KitError, match="worker log") as caught:
+        s.ask("hi")
+    assert caught.value.status == 500
 
 
 def test_stream_error_status_before_the_stream_and_a_truncated_stream():

@@ -2,7 +2,8 @@
 
 TorchServe 0.12's continuous batching (without sequence batching) calls `handle()` once per
 step with every active request. The rules this adapter follows (docs/torchserve.md):
-- a request's body arrives only on its first step; state is keyed by `context.request_ids`;
+- a request's body arrives with every step until it has had a reply; state is keyed by
+  `context.request_ids`;
 - removing a request's index from `context.request_ids` sends nothing for it this step: the
   frontend keeps the job and re-sends it next step (how a whole answer waits for its last token),
   with its whole body until the request has had a reply (`EARLY_HEAD_BYTES`);
@@ -136,11 +137,20 @@ class SessionHandler:
             replies = self.service.step(batch)
             for i, item in enumerate(batch):
                 if replies[i] is None and _size(item.body) >= EARLY_HEAD_BYTES:
-                    replies[i] = self.service.send_head(item.request_id)
+                    replies[i] = self._head(item.request_id)
         except Exception as exc:  # a bug above the per-request guards: still answer each one
             replies = [error_reply(internal_error(exc))] * len(data)
         self._report(context)
         return self._emit(replies, context)
+
+    def _head(self, request_id: str) -> Reply | None:
+        """A large whole answer's head, or None (withheld, its body re-sent) should that fail:
+        the other replies of the step are committed already."""
+        try:
+            return self.service.head_reply(request_id) if self.service else None
+        except Exception:
+            log.warning("could not send the head of %s early", request_id, exc_info=True)
+            return None
 
     def _report(self, context: Any) -> None:
         """Publish the instance's gauges that changed this step as TorchServe metrics."""
