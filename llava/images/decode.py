@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from PIL import Image, ImageOps
 
 from llava.core.errors import ImageError, ImageTooLarge, KitError
+from llava.core.pictures import SENT_AS
 from llava.images.inline import read_inline
 from llava.images.refs import clean_text
 
@@ -18,6 +19,7 @@ from llava.images.refs import clean_text
 # Ghostscript, others are rarely exercised) stay out of reach.
 _WANTED_FORMATS = ("PNG", "JPEG", "MPO", "GIF", "WEBP", "BMP", "TIFF", "AVIF")
 _WARNINGS_LOCK = threading.Lock()
+_ORIENTATION = 0x0112  # the EXIF tag `_upright` applies
 
 
 @functools.lru_cache(maxsize=1)
@@ -125,7 +127,8 @@ def _parse(data: bytes, max_pixels: int) -> Image.Image:
 
 
 def _decode_rgb(data: bytes, max_pixels: int) -> Image.Image:
-    """Decode image bytes into an upright, fully loaded RGB image."""
+    """Decode image bytes into an upright, fully loaded RGB image (carrying them, `SENT_AS`,
+    where they are plain)."""
     img = _parse(data, max_pixels)
     try:
         rgb = to_rgb(_upright(img))
@@ -135,7 +138,20 @@ def _decode_rgb(data: bytes, max_pixels: int) -> Image.Image:
             "RGB (or grayscale) PNG/JPEG and send it again"
         ) from None
     rgb.load()
+    if _plain(img):
+        rgb.info[SENT_AS] = data
     return rgb
+
+
+def _plain(img: Image.Image) -> bool:
+    """Whether Pillow alone decodes `img`'s bytes to the pixels the kit made of them: an opaque,
+    upright RGB JPEG or PNG (then an engine can keep the bytes rather than the pixels)."""
+    try:
+        upright = img.getexif().get(_ORIENTATION, 1) == 1
+    except Exception:  # noqa: BLE001 - corrupt EXIF: `_upright` kept the pixels, but be sure
+        return False
+    opaque = "transparency" not in img.info
+    return upright and opaque and img.mode == "RGB" and img.format in ("JPEG", "MPO", "PNG")
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
-"""How a vLLM session keeps its pictures (llava/engines/vllm/images.py, snapshot.py): as PNG,
-named by their pixels, decoded again only within limits; hostile snapshots refused as
-ValueError. Pillow only: no vLLM needed."""
+"""How a vLLM session keeps its pictures (llava/engines/vllm/images.py, snapshot.py): as the
+bytes the client sent (else PNG), named by their pixels, decoded again only within limits;
+hostile snapshots refused as ValueError. Pillow only: no vLLM needed."""
 
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ from safetensors.numpy import save as save_arrays
 
 from llava.core.config import ServerConfig
 from llava.engines.vllm import images as pictures_module
-from llava.engines.vllm.images import VllmImage, decode
-from llava.engines.vllm.snapshot import FORMAT, RAW_PIXELS, capture, restore
+from llava.engines.vllm.images import VllmImage, VllmImagePreparer, decode
+from llava.engines.vllm.snapshot import FORMAT, PNGS, RAW_PIXELS, capture, restore
 from llava.engines.vllm.state import VllmSession
+from llava.images.decode import ImageDecoder
 from llava.tools.tiny.scenes import draw_scene
 
 LIMITS = ServerConfig()  # what a client may upload, by default
@@ -27,31 +28,92 @@ def scene(seed: int = 1) -> Image.Image:
     return draw_scene(random.Random(seed), count=2).draw().convert("RGB")
 
 
-def test_a_picture_is_kept_as_png_of_the_same_pixels_and_weighs_its_png_once_processed() -> None:
+def jpeg_of(rgb: Image.Image) -> bytes:
+    out = io.BytesIO()
+    rgb.save(out, format="JPEG", quality=85)
+    return out.getvalue()
+
+
+def test_pixels_without_sent_bytes_are_kept_as_png_and_weigh_it_once_processed() -> None:
     rgb = scene()
     image = VllmImage.of(rgb)
-    assert image.png.startswith(b"\x89PNG") and image.size == rgb.size
-    assert image.nbytes == len(image.png) + rgb.size[0] * rgb.size[1] * 3  # pixels still held
+    assert image.encoded.startswith(b"\x89PNG") and image.size == rgb.size
+    assert image.nbytes == len(image.encoded) + rgb.size[0] * rgb.size[1] * 3  # pixels held
     image.processed()
-    assert image.fresh is None and image.nbytes == len(image.png)
-    assert decode(image.png).tobytes() == rgb.tobytes()
-    assert VllmImage.restored(image.png, image.uuid).uuid == image.uuid
+    assert image.fresh is None and image.nbytes == len(image.encoded)
+    assert decode(image.encoded).tobytes() == rgb.tobytes()
+    assert VllmImage.restored(image.encoded).uuid == image.uuid
+
+
+def test_a_sent_photo_is_kept_as_its_own_bytes_not_encoded_again() -> None:
+    """A JPEG as the image processes get it: the kit's decoder's pixels, kept as the JPEG
+    itself (no PNG made: 100 ms for a 1024x768 photo), which decodes to the same pixels and
+    the same content id; the bytes are not sent back twice with the pixels."""
+    sent = jpeg_of(scene())
+    decoded = ImageDecoder(max_pixels=10**8, max_bytes=10**8)(sent)
+    [image] = VllmImagePreparer()(decoded, [])
+    assert image.encoded == sent and image.fresh is not None
+    assert "llava.sent_as" not in image.fresh.info
+    assert image.uuid == VllmImage.of(decode(sent)).uuid  # the same pixels, PNG or not
+    image.processed()
+    assert image.nbytes == len(sent) and image.pixels().tobytes() == decoded.tobytes()
+    assert VllmImage.restored(sent).uuid == image.uuid
+
+
+def encoded(rgb: Image.Image, fmt: str, **options: object) -> bytes:
+    out = io.BytesIO()
+    rgb.save(out, format=fmt, **options)
+    return out.getvalue()
+
+
+def test_sent_bytes_are_kept_only_where_pillow_alone_decodes_them_to_the_same_pixels() -> None:
+    """Whatever is kept decodes to the pixels the kit's decoder made of the upload: the bytes
+    themselves for an upright RGB JPEG or PNG, a PNG of the pixels for a JPEG to be turned
+    upright, a transparent, grey or palette picture."""
+    rgb = scene()
+    rotated = Image.Exif()
+    rotated[0x0112] = 6
+    uploads = {
+        "jpeg": (encoded(rgb, "JPEG"), True),
+        "rgb png": (encoded(rgb, "PNG"), True),
+        "jpeg to turn upright": (encoded(rgb, "JPEG", exif=rotated.tobytes()), False),
+        "rgba png": (encoded(rgb.convert("RGBA"), "PNG"), False),
+        "grey jpeg": (encoded(rgb.convert("L"), "JPEG"), False),
+        "palette png": (encoded(rgb.convert("P"), "PNG"), False),
+        "webp": (encoded(rgb, "WEBP", lossless=True), False),
+    }
+    decoder = ImageDecoder(max_pixels=10**8, max_bytes=10**8)
+    for name, (sent, kept) in uploads.items():
+        pixels = decoder(sent)
+        image = VllmImage.of(pixels)
+        assert (image.encoded == sent) is kept, name
+        assert kept or image.encoded.startswith(b"\x89PNG"), name
+        assert decode(image.encoded).tobytes() == pixels.tobytes(), name
+        assert VllmImage.restored(image.encoded).uuid == image.uuid, name
+
+
+def test_a_restored_picture_is_named_by_its_pixels_never_by_its_record() -> None:
+    """vLLM trusts ids: a snapshot recording another picture's id gets its own pixels' id."""
+    image = VllmImage.of(scene())
     other = VllmImage.of(scene(2))
-    with pytest.raises(ValueError, match="content id"):
-        VllmImage.restored(other.png, image.uuid)
+    state = VllmSession(None, (other,), [])
+    data = capture(state, "model-a", {})()
+    forged = data.replace(other.uuid.encode(), image.uuid.encode())
+    assert forged != data
+    assert restore(forged, "model-a", LIMITS)[0].images[0].uuid == other.uuid
 
 
-def test_decode_refuses_what_is_not_a_small_enough_rgb_png(monkeypatch: pytest.MonkeyPatch) -> None:
-    jpeg = io.BytesIO()
-    scene().save(jpeg, format="JPEG")
-    grey = io.BytesIO()
-    scene().convert("L").save(grey, format="PNG")
-    for data in (jpeg.getvalue(), grey.getvalue(), b"\x89PNG\r\n\x1a\n garbage", b""):
+def test_decode_refuses_what_is_not_a_small_enough_picture(monkeypatch: pytest.MonkeyPatch) -> None:
+    for data in (b"\x89PNG\r\n\x1a\n garbage", b"\xff\xd8\xff not a jpeg", b""):
         with pytest.raises(ValueError):
             decode(data)
-    png = VllmImage.of(scene()).png
+    grey = io.BytesIO()
+    scene().convert("L").save(grey, format="PNG")
+    with pytest.raises(ValueError, match="RGB"):
+        decode(grey.getvalue())
+    png = VllmImage.of(scene()).encoded
     width, height = scene().size
-    monkeypatch.setattr(pictures_module, "MAX_PNG_PIXELS", width * height - 1)
+    monkeypatch.setattr(pictures_module, "MAX_KEPT_PIXELS", width * height - 1)
     with pytest.raises(ValueError, match="at most"):  # from the header, before decoding
         decode(png)
 
@@ -60,14 +122,18 @@ def snapshot_of(meta: dict, arrays: dict) -> bytes:
     return bytes(save_arrays(arrays, metadata={"llava": json.dumps(meta)}))
 
 
-def test_snapshots_write_png_read_both_formats_and_refuse_hostile_pictures() -> None:
+def test_snapshots_write_kept_bytes_read_every_format_and_refuse_hostile_pictures() -> None:
     rgb = scene()
     image = VllmImage.of(rgb)
-    state = VllmSession("be brief", (image,), [])
+    photo = VllmImage.of(ImageDecoder(max_pixels=10**8, max_bytes=10**8)(jpeg_of(rgb)))
+    state = VllmSession("be brief", (image, photo), [])
     data = capture(state, "model-a", {"k": 1})()
-    assert len(data) < len(image.png) + 2048  # the PNG and a header, no pixels
+    assert len(data) < len(image.encoded) + len(photo.encoded) + 2048  # no pixels
     again, extra = restore(data, "model-a", LIMITS)
-    assert extra == {"k": 1} and again.images[0].uuid == image.uuid
+    assert extra == {"k": 1} and [i.uuid for i in again.images] == [image.uuid, photo.uuid]
+    assert again.images[1].encoded == photo.encoded  # the JPEG, as it was sent
+    pngs = data.replace(FORMAT.encode(), PNGS.encode())
+    assert restore(pngs, "model-a", LIMITS)[0].images[0].uuid == image.uuid
     meta = {
         "format": RAW_PIXELS,
         "model": "model-a",

@@ -8,10 +8,13 @@ then sends the id alone, and the pixels only if vLLM has let them go). The id mu
 content's digest: vLLM trusts it, and an id reused for other pixels would serve the other
 picture's features.
 
-A session keeps its pictures as lossless PNG made in the image processes (fast compression): the
-same pixels, at what they weigh on the wire rather than width x height x 3 bytes (a 6000x6000
-flat-colour picture is 108 MB of RGB and about 100 KB of PNG). They are decoded again only when
-vLLM needs the pixels: on a rendering thread, never on the step thread.
+A session keeps each picture encoded: the bytes the client sent where Pillow alone decodes them
+to the same pixels (an upright RGB JPEG or PNG: most photos), else a lossless PNG of the pixels
+(zlib's fastest level). Either weighs what a picture weighs on the wire rather than width x
+height x 3 bytes (a 6000x6000 flat-colour picture is 108 MB of RGB and about 100 KB of PNG), and
+keeping the sent bytes costs no encoding (a 1024x768 photo's PNG took 100 ms of an image
+process, and weighed 7x its JPEG). They are decoded again only when vLLM needs the pixels: on a
+rendering thread, never on the step thread.
 """
 
 from __future__ import annotations
@@ -23,10 +26,13 @@ from typing import Any
 
 from PIL import Image
 
+from llava.core.pictures import SENT_AS
+
 PNG_LEVEL = 1  # zlib's fastest: a photo's PNG is ~2x smaller than its pixels at any level
-# The most pixels a kept PNG may decode to: the default `image_max_pixels` (40 MP) with room to
-# spare, so that a snapshot's PNG (a few KB can decode to GBs) cannot exhaust the worker.
-MAX_PNG_PIXELS = 64_000_000
+# The most pixels a kept picture may decode to: the default `image_max_pixels` (40 MP) with room
+# to spare, so that a snapshot's picture (a few KB can decode to GBs) cannot exhaust the worker.
+MAX_KEPT_PIXELS = 64_000_000
+KEPT_FORMATS = ["PNG", "JPEG"]  # what the kit keeps: its PNGs, and the JPEGs (MPO too) it was sent
 
 
 def content_id(rgb: Image.Image) -> str:
@@ -43,60 +49,61 @@ def encode(rgb: Image.Image) -> bytes:
     return out.getvalue()
 
 
-def decode(png: bytes) -> Image.Image:
-    """The RGB pixels a picture's PNG holds; ValueError if it is not an RGB PNG within
-    MAX_PNG_PIXELS (checked from its header, before anything is decoded)."""
+def decode(data: bytes) -> Image.Image:
+    """The RGB pixels a kept picture holds; ValueError if it is not an RGB PNG or JPEG within
+    MAX_KEPT_PIXELS (checked from its header, before anything is decoded)."""
     try:
-        with Image.open(io.BytesIO(png), formats=["PNG"]) as image:
+        with Image.open(io.BytesIO(data), formats=KEPT_FORMATS) as image:
             width, height = image.size
-            if image.mode != "RGB" or width * height > MAX_PNG_PIXELS:
-                raise ValueError(f"not an RGB PNG of at most {MAX_PNG_PIXELS} pixels")
+            if image.mode != "RGB" or width * height > MAX_KEPT_PIXELS:
+                raise ValueError(f"not an RGB PNG or JPEG of at most {MAX_KEPT_PIXELS} pixels")
             image.load()
             return image.copy()
     except (OSError, Image.DecompressionBombError) as exc:  # Pillow's errors for bad bytes
-        raise ValueError(f"not a PNG: {exc}") from exc
+        raise ValueError(f"not a PNG or JPEG: {exc}") from exc
 
 
 @dataclass(eq=False)
 class VllmImage:
-    """A picture's PNG and the digest of its pixels; `fresh` holds the decoded pixels from its
-    preparation until vLLM has processed them once (then only the PNG is kept)."""
+    """A picture, encoded, and the digest of its pixels; `fresh` holds the decoded pixels from
+    its preparation until vLLM has processed them once (then only the encoded bytes are kept)."""
 
-    png: bytes
+    encoded: bytes
     uuid: str
     size: tuple[int, int]
     fresh: Image.Image | None = field(default=None, repr=False)
 
     @property
     def nbytes(self) -> int:
-        """The PNG's bytes, and the pixels' while they are held."""
+        """The encoded bytes, and the pixels' while they are held."""
         width, height = self.size
-        return len(self.png) + (width * height * 3 if self.fresh is not None else 0)
+        return len(self.encoded) + (width * height * 3 if self.fresh is not None else 0)
 
     def pixels(self) -> Image.Image:
-        """The RGB pixels (the ones from preparation, else decoded from the PNG)."""
-        return self.fresh if self.fresh is not None else decode(self.png)
+        """The RGB pixels (the ones from preparation, else decoded from the encoded bytes)."""
+        return self.fresh if self.fresh is not None else decode(self.encoded)
 
     def processed(self) -> None:
-        """vLLM has the pixels: keep only the PNG from now on."""
+        """vLLM has the pixels: keep only the encoded bytes from now on."""
         self.fresh = None
 
     @classmethod
     def of(cls, image: Any) -> VllmImage:
-        """Convert to RGB (as the processor would), name the result by its pixels and encode
-        it (a prepared picture is taken as it is)."""
+        """Convert to RGB (as the processor would), name the result by its pixels and keep the
+        bytes it was sent as (`SENT_AS`), else encode it (a prepared picture is taken as it
+        is)."""
         if isinstance(image, VllmImage):
             return image
+        source = image.info.pop(SENT_AS, None)  # set by the kit's decoder, on RGB pictures
         rgb = image if image.mode == "RGB" else image.convert("RGB")
-        return cls(encode(rgb), content_id(rgb), rgb.size, rgb)
+        return cls(source or encode(rgb), content_id(rgb), rgb.size, rgb)
 
     @classmethod
-    def restored(cls, png: bytes, uuid: str) -> VllmImage:
-        """A picture read back from a snapshot; ValueError unless its pixels match `uuid`."""
-        rgb = decode(png)
-        if content_id(rgb) != uuid:
-            raise ValueError("the picture does not match its content id")
-        return cls(png, uuid, rgb.size)
+    def restored(cls, data: bytes) -> VllmImage:
+        """A picture read back from a snapshot, named by its pixels as this build decodes them
+        (never by the id the snapshot records: vLLM trusts ids); ValueError if it is none."""
+        rgb = decode(data)
+        return cls(data, content_id(rgb), rgb.size)
 
 
 def pictures(prepared: Any) -> tuple[VllmImage, ...]:
@@ -107,8 +114,8 @@ def pictures(prepared: Any) -> tuple[VllmImage, ...]:
 
 
 class VllmImagePreparer:
-    """The image processes' work for this engine: RGB conversion, the digest and the PNG
-    (vLLM's processor runs inside the engine, once per picture it has not seen)."""
+    """The image processes' work for this engine: RGB conversion, the digest and the bytes to
+    keep (vLLM's processor runs inside the engine, once per picture it has not seen)."""
 
     def __call__(self, image: Any, earlier: list[Any]) -> tuple[VllmImage, ...]:
         """A conversation's pictures in order: the earlier ones sent with it, then `image`."""

@@ -260,7 +260,7 @@ def _prompt(turn: VllmTurn, with_pixels: bool) -> Any:
 def _render(llm: Any, turn: VllmTurn, with_pixels: bool = False) -> Any:
     """Run vLLM's processor on a turn's prompt (on the rendering thread); sending the pixels
     only of pictures vLLM has not processed, and all of them if it has let some go (or
-    `with_pixels`). Only the PNGs are kept afterwards, whatever the outcome."""
+    `with_pixels`). Only the encoded pictures are kept afterwards, whatever the outcome."""
     renderer = llm.input_processor.renderer
     by_id = not with_pixels and any(image.fresh is None for image in turn.images)
     try:
