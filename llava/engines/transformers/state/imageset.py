@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from llava.core.pictures import SENT_AS
 from llava.engines.conversation.checks import check_added_image, check_image_count
 from llava.engines.transformers.model.loading import HOST
 from llava.engines.transformers.model.vision import (
@@ -121,6 +122,8 @@ class ImagePreparer:
         if processor is None:
             processor = self._local.processor = copy.deepcopy(self.processor)
         images = [*earlier, image]
+        for picture in images:  # this engine keeps pixels, never the bytes they were sent as
+            picture.info.pop(SENT_AS, None)
         processed = process_images(processor, images, self.token_id)
         prepared = PreparedImages(processed, images if self.joint else [], bool(earlier))
         if self.vision is not None:
