@@ -10,7 +10,7 @@ import random
 
 import numpy as np
 import pytest
-from PIL import Image
+from PIL import Image, PngImagePlugin
 from safetensors.numpy import save as save_arrays
 
 from llava.core.config import ServerConfig
@@ -69,10 +69,13 @@ def encoded(rgb: Image.Image, fmt: str, **options: object) -> bytes:
 def test_sent_bytes_are_kept_only_where_pillow_alone_decodes_them_to_the_same_pixels() -> None:
     """Whatever is kept decodes to the pixels the kit's decoder made of the upload: the bytes
     themselves for an upright RGB JPEG or PNG, a PNG of the pixels for a JPEG to be turned
-    upright, a transparent, grey or palette picture."""
+    upright, a transparent, grey or palette picture, and bytes that weigh more than their
+    pixels (a session holds what it keeps)."""
     rgb = scene()
     rotated = Image.Exif()
     rotated[0x0112] = 6
+    padding = PngImagePlugin.PngInfo()
+    padding.add_text("comment", "x" * 10_000)  # a few pixels sent with 10 KB of text
     uploads = {
         "jpeg": (encoded(rgb, "JPEG"), True),
         "rgb png": (encoded(rgb, "PNG"), True),
@@ -81,6 +84,7 @@ def test_sent_bytes_are_kept_only_where_pillow_alone_decodes_them_to_the_same_pi
         "grey jpeg": (encoded(rgb.convert("L"), "JPEG"), False),
         "palette png": (encoded(rgb.convert("P"), "PNG"), False),
         "webp": (encoded(rgb, "WEBP", lossless=True), False),
+        "png padded past its pixels": (encoded(rgb.resize((8, 8)), "PNG", pnginfo=padding), False),
     }
     decoder = ImageDecoder(max_pixels=10**8, max_bytes=10**8)
     for name, (sent, kept) in uploads.items():

@@ -9,7 +9,8 @@ content's digest: vLLM trusts it, and an id reused for other pixels would serve 
 picture's features.
 
 A session keeps each picture encoded: the bytes the client sent where Pillow alone decodes them
-to the same pixels (an upright RGB JPEG or PNG: most photos), else a lossless PNG of the pixels
+to the same pixels (an upright RGB JPEG or PNG: most photos) in fewer bytes than the pixels,
+else a lossless PNG of the pixels
 (zlib's fastest level). Either weighs what a picture weighs on the wire rather than width x
 height x 3 bytes (a 6000x6000 flat-colour picture is 108 MB of RGB and about 100 KB of PNG), and
 keeping the sent bytes costs no encoding (a 1024x768 photo's PNG took 100 ms of an image
@@ -96,7 +97,10 @@ class VllmImage:
             return image
         source = image.info.pop(SENT_AS, None)  # set by the kit's decoder, on RGB pictures
         rgb = image if image.mode == "RGB" else image.convert("RGB")
-        return cls(source or encode(rgb), content_id(rgb), rgb.size, rgb)
+        width, height = rgb.size
+        if source is None or len(source) >= width * height * 3:  # padded bytes: not worth it
+            source = encode(rgb)
+        return cls(source, content_id(rgb), rgb.size, rgb)
 
     @classmethod
     def restored(cls, data: bytes) -> VllmImage:
