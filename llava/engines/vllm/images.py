@@ -10,12 +10,11 @@ picture's features.
 
 A session keeps each picture encoded: the bytes the client sent where Pillow alone decodes them
 to the same pixels (an upright RGB JPEG or PNG: most photos) in fewer bytes than the pixels,
-else a lossless PNG of the pixels
-(zlib's fastest level). Either weighs what a picture weighs on the wire rather than width x
-height x 3 bytes (a 6000x6000 flat-colour picture is 108 MB of RGB and about 100 KB of PNG), and
-keeping the sent bytes costs no encoding (a 1024x768 photo's PNG took 100 ms of an image
-process, and weighed 7x its JPEG). They are decoded again only when vLLM needs the pixels: on a
-rendering thread, never on the step thread.
+else a lossless PNG of the pixels (zlib's fastest level). Either weighs what a picture weighs on
+the wire rather than width x height x 3 bytes (a 6000x6000 flat-colour picture is 108 MB of RGB
+and about 100 KB of PNG), and keeping the sent bytes costs no encoding (a 1024x768 photo's PNG
+took 100 ms of an image process, and weighed 7x its JPEG). They are decoded again only when
+vLLM needs the pixels: on a rendering thread, never on the step thread.
 """
 
 from __future__ import annotations
