@@ -338,7 +338,7 @@ def vllm_command(checkpoint: Path, args: Any, port: int) -> list[str]:
     ]  # fmt: skip
     if args.gpu_share:
         command += ["--gpu-memory-utilization", str(args.gpu_share)]
-    if getattr(args, "step_tokens", 0):
+    if args.step_tokens:
         command += ["--max-num-batched-tokens", str(args.step_tokens)]
     return command
 
@@ -381,7 +381,7 @@ def kit_env(args: Any) -> dict[str, str]:
     }
     if args.gpu_share:
         env["LLAVA_GPU_MEMORY_UTILIZATION"] = str(args.gpu_share)
-    if getattr(args, "step_tokens", 0):
+    if args.step_tokens:
         env["LLAVA_STEP_TOKEN_BUDGET"] = str(args.step_tokens)
     return env
 
@@ -468,6 +468,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--kv-gb", type=float, default=1.0, help="each vLLM's KV cache")
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument(
+        "--step-tokens",
+        type=int,
+        default=0,
+        help="every server's tokens per step (vLLM's max_num_batched_tokens); 0: each one's own",
+    )
     parser.add_argument("--pressure", type=int, default=0, help="conversations past the KV cache")
     parser.add_argument("--think-s", type=float, default=2.0)
     parser.add_argument("--photo-px", type=int, default=1024, help="0: the small PNG drawing")

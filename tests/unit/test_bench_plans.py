@@ -54,7 +54,7 @@ def test_peer_and_engines_on_a_gpu_share_the_card_in_bf16(monkeypatch: pytest.Mo
 
     for gpu, ray, share in ((True, True, 0.3), (True, False, 0.45), (False, True, None)):
         args = argparse.Namespace(
-            dtype="auto", ray=ray, max_model_len=2048, kv_gb=4.0, model="llava15-7b"
+            dtype="auto", ray=ray, max_model_len=2048, kv_gb=4.0, model="llava15-7b", step_tokens=0
         )
         peer.settle(args, gpu)
         assert args.gpu_share == share
@@ -69,6 +69,11 @@ def test_peer_and_engines_on_a_gpu_share_the_card_in_bf16(monkeypatch: pytest.Mo
             assert "--gpu-memory-utilization" not in command
             assert "LLAVA_GPU_MEMORY_UTILIZATION" not in env
         assert env["LLAVA_KV_CACHE_GB"] == "4.0" and "--kv-cache-memory-bytes" in command
+        assert "--max-num-batched-tokens" not in command and "LLAVA_STEP_TOKEN_BUDGET" not in env
+        args.step_tokens = 2048  # both servers at one step budget, when asked
+        command = peer.vllm_command(Path("/ckpt"), args, 8000)
+        assert command[command.index("--max-num-batched-tokens") + 1] == "2048"
+        assert peer.kit_env(args)["LLAVA_STEP_TOKEN_BUDGET"] == "2048"
         for engine in engines.ENGINES:
             env = engines.engine_env(engine, gpu)
             assert env["LLAVA_DTYPE"] == dtype and env["LLAVA_ENGINE"] == engine
