@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from PIL import Image, ImageOps
 
 from llava.core.errors import ImageError, ImageTooLarge, KitError
-from llava.core.pictures import SENT_AS
+from llava.core.pictures import MAX_JPEG_SCANS, SENT_AS, jpeg_scans
 from llava.images.inline import read_inline
 from llava.images.refs import clean_text
 
@@ -138,7 +138,7 @@ def _decode_rgb(data: bytes, max_pixels: int) -> Image.Image:
             "RGB (or grayscale) PNG/JPEG and send it again"
         ) from None
     rgb.load()
-    if _plain(img):
+    if _plain(img) and (img.format == "PNG" or jpeg_scans(data) <= MAX_JPEG_SCANS):
         rgb.info[SENT_AS] = data
     return rgb
 

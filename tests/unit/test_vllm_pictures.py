@@ -85,6 +85,11 @@ def test_sent_bytes_are_kept_only_where_pillow_alone_decodes_them_to_the_same_pi
         "palette png": (encoded(rgb.convert("P"), "PNG"), False),
         "webp": (encoded(rgb, "WEBP", lossless=True), False),
         "png padded past its pixels": (encoded(rgb.resize((8, 8)), "PNG", pnginfo=padding), False),
+        "rgb png with a transparent colour": (
+            encoded(rgb, "PNG", transparency=rgb.getpixel((0, 0))),
+            False,
+        ),
+        "jpeg of too many scans": (encoded(rgb, "JPEG", comment=b"\xff\xda" * 40), False),
     }
     decoder = ImageDecoder(max_pixels=10**8, max_bytes=10**8)
     for name, (sent, kept) in uploads.items():
@@ -115,6 +120,11 @@ def test_decode_refuses_what_is_not_a_small_enough_picture(monkeypatch: pytest.M
     scene().convert("L").save(grey, format="PNG")
     with pytest.raises(ValueError, match="RGB"):
         decode(grey.getvalue())
+    for fmt in ("WEBP", "TIFF", "BMP"):  # only the formats the kit keeps reach a decoder
+        with pytest.raises(ValueError, match="PNG or JPEG"):
+            decode(encoded(scene(), fmt))
+    with pytest.raises(ValueError, match="scans"):  # each one decodes the whole picture again
+        decode(encoded(scene(), "JPEG", comment=b"\xff\xda" * 40))
     png = VllmImage.of(scene()).encoded
     width, height = scene().size
     monkeypatch.setattr(pictures_module, "MAX_KEPT_PIXELS", width * height - 1)
@@ -136,8 +146,11 @@ def test_snapshots_write_kept_bytes_read_every_format_and_refuse_hostile_picture
     again, extra = restore(data, "model-a", LIMITS)
     assert extra == {"k": 1} and [i.uuid for i in again.images] == [image.uuid, photo.uuid]
     assert again.images[1].encoded == photo.encoded  # the JPEG, as it was sent
+    assert FORMAT.encode() in data  # a JPEG kept: the third format
     pngs = data.replace(FORMAT.encode(), PNGS.encode())
     assert restore(pngs, "model-a", LIMITS)[0].images[0].uuid == image.uuid
+    only_pngs = capture(VllmSession(None, (image,), []), "model-a", {})()
+    assert PNGS.encode() in only_pngs  # what a kit before the third format reads
     meta = {
         "format": RAW_PIXELS,
         "model": "model-a",

@@ -26,7 +26,7 @@ from typing import Any
 
 from PIL import Image
 
-from llava.core.pictures import SENT_AS
+from llava.core.pictures import MAX_JPEG_SCANS, SENT_AS, jpeg_scans
 
 PNG_LEVEL = 1  # zlib's fastest: a photo's PNG is ~2x smaller than its pixels at any level
 # The most pixels a kept picture may decode to: the default `image_max_pixels` (40 MP) with room
@@ -51,12 +51,14 @@ def encode(rgb: Image.Image) -> bytes:
 
 def decode(data: bytes) -> Image.Image:
     """The RGB pixels a kept picture holds; ValueError if it is not an RGB PNG or JPEG within
-    MAX_KEPT_PIXELS (checked from its header, before anything is decoded)."""
+    MAX_KEPT_PIXELS (and MAX_JPEG_SCANS), checked before anything is decoded."""
     try:
         with Image.open(io.BytesIO(data), formats=KEPT_FORMATS) as image:
             width, height = image.size
             if image.mode != "RGB" or width * height > MAX_KEPT_PIXELS:
                 raise ValueError(f"not an RGB PNG or JPEG of at most {MAX_KEPT_PIXELS} pixels")
+            if image.format != "PNG" and jpeg_scans(data) > MAX_JPEG_SCANS:
+                raise ValueError(f"a JPEG of more than {MAX_JPEG_SCANS} scans")
             image.load()
             return image.copy()
     except (OSError, Image.DecompressionBombError) as exc:  # Pillow's errors for bad bytes

@@ -5,8 +5,9 @@ bytes (the client's JPEG, or a PNG), the system prompt, the questions and answer
 model's fingerprint, so it is never restored into another model. Each picture's content id is
 recomputed from its pixels on restore, never taken from the snapshot: vLLM trusts ids, so a
 wrong one must never reach it (and a build whose decoder gives a lossy picture slightly other
-pixels names them anew rather than losing the session). Earlier formats are still read: PNGs
-only, and before that raw RGB pixels.
+pixels names them anew rather than losing the session). A snapshot whose pictures are all PNGs
+is written in the second format, which kits before the third read too (a rollback keeps those
+sessions). Earlier formats are still read: PNGs only, and before that raw RGB pixels.
 """
 
 from __future__ import annotations
@@ -30,12 +31,14 @@ from llava.engines.vllm.state import VllmSession
 FORMAT = "llava-vllm-session/3"
 PNGS = "llava-vllm-session/2"  # the second format: each picture as PNG
 RAW_PIXELS = "llava-vllm-session/1"  # the first format: each picture as RGB pixels
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def capture(state: VllmSession, fingerprint: str, extra: dict[str, Any]) -> Callable[[], bytes]:
     """Take what rebuilds `state` (references only); return the serialiser for later."""
+    pngs_only = all(image.encoded.startswith(PNG_SIGNATURE) for image in state.images)
     meta = {
-        "format": FORMAT,
+        "format": PNGS if pngs_only else FORMAT,  # what a kit before format 3 still reads
         "model": fingerprint,
         "system_prompt": state.system_prompt,
         "history": [[e.prompt, e.answer, e.added_images] for e in state.history],
