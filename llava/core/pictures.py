@@ -12,7 +12,8 @@ SENT_AS = "llava.sent_as"
 MAX_JPEG_SCANS = 32
 
 
-def jpeg_scans(data: bytes) -> int:
-    """A JPEG's start-of-scan markers (never inside scan data, where 0xFF is stuffed; a
-    thumbnail's count too, so this errs high)."""
-    return data.count(b"\xff\xda")
+def few_scans(image_format: str | None, data: bytes) -> bool:
+    """Whether bytes of `image_format` are within MAX_JPEG_SCANS (a PNG always is). Counts a
+    JPEG's start-of-scan markers: never inside scan data, where 0xFF is stuffed; a thumbnail's
+    count too, so this errs high."""
+    return image_format == "PNG" or data.count(b"\xff\xda") <= MAX_JPEG_SCANS

@@ -8,10 +8,10 @@ import threading
 import warnings
 from dataclasses import dataclass
 
-from PIL import Image, ImageOps
+from PIL import ExifTags, Image, ImageOps
 
 from llava.core.errors import ImageError, ImageTooLarge, KitError
-from llava.core.pictures import MAX_JPEG_SCANS, SENT_AS, jpeg_scans
+from llava.core.pictures import SENT_AS, few_scans
 from llava.images.inline import read_inline
 from llava.images.refs import clean_text
 
@@ -19,7 +19,6 @@ from llava.images.refs import clean_text
 # Ghostscript, others are rarely exercised) stay out of reach.
 _WANTED_FORMATS = ("PNG", "JPEG", "MPO", "GIF", "WEBP", "BMP", "TIFF", "AVIF")
 _WARNINGS_LOCK = threading.Lock()
-_ORIENTATION = 0x0112  # the EXIF tag `_upright` applies
 
 
 @functools.lru_cache(maxsize=1)
@@ -138,20 +137,22 @@ def _decode_rgb(data: bytes, max_pixels: int) -> Image.Image:
             "RGB (or grayscale) PNG/JPEG and send it again"
         ) from None
     rgb.load()
-    if _plain(img) and (img.format == "PNG" or jpeg_scans(data) <= MAX_JPEG_SCANS):
+    if _plain(img, data):
         rgb.info[SENT_AS] = data
     return rgb
 
 
-def _plain(img: Image.Image) -> bool:
-    """Whether Pillow alone decodes `img`'s bytes to the pixels the kit made of them: an opaque,
-    upright RGB JPEG or PNG (then an engine can keep the bytes rather than the pixels)."""
+def _plain(img: Image.Image, data: bytes) -> bool:
+    """Whether Pillow alone decodes `data`, which `img` was opened from, to the pixels the kit
+    made of them, quickly: an opaque, upright RGB JPEG (of few scans) or PNG (then an engine can
+    keep the bytes rather than the pixels)."""
     try:
-        upright = img.getexif().get(_ORIENTATION, 1) == 1
+        upright = img.getexif().get(ExifTags.Base.Orientation, 1) == 1
     except Exception:  # noqa: BLE001 - corrupt EXIF: `_upright` kept the pixels, but be sure
         return False
     opaque = "transparency" not in img.info
-    return upright and opaque and img.mode == "RGB" and img.format in ("JPEG", "MPO", "PNG")
+    plain = upright and opaque and img.mode == "RGB" and img.format in ("JPEG", "MPO", "PNG")
+    return plain and few_scans(img.format, data)
 
 
 @dataclass(frozen=True)

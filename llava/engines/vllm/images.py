@@ -26,7 +26,7 @@ from typing import Any
 
 from PIL import Image
 
-from llava.core.pictures import MAX_JPEG_SCANS, SENT_AS, jpeg_scans
+from llava.core.pictures import MAX_JPEG_SCANS, SENT_AS, few_scans
 
 PNG_LEVEL = 1  # zlib's fastest: a photo's PNG is ~2x smaller than its pixels at any level
 # The most pixels a kept picture may decode to: the default `image_max_pixels` (40 MP) with room
@@ -57,7 +57,7 @@ def decode(data: bytes) -> Image.Image:
             width, height = image.size
             if image.mode != "RGB" or width * height > MAX_KEPT_PIXELS:
                 raise ValueError(f"not an RGB PNG or JPEG of at most {MAX_KEPT_PIXELS} pixels")
-            if image.format != "PNG" and jpeg_scans(data) > MAX_JPEG_SCANS:
+            if not few_scans(image.format, data):
                 raise ValueError(f"a JPEG of more than {MAX_JPEG_SCANS} scans")
             image.load()
             return image.copy()
