@@ -8,7 +8,9 @@ quietly for a while, 4 new pictures (1024x768 photos) arrive at once from anothe
 - `session opens` (the kit only): each as a session opened through the session API.
 The figure is the stream's longest gap between two events while they open, against its quiet
 median gap (bench/load.py's measure, which gives the reference's figure through TorchServe).
-Each is measured `--runs` times after a warm-up run; the worst run is the figure.
+Each is measured `--runs` times after a warm-up run; the worst run is the figure. The first row
+is the floor under both servers: vLLM's engine alone, stepped in a loop with no server, given
+the same pictures already processed (bench/engine_gaps.py).
 
     unshare -n sh -c 'ip link set lo up && .venv-vllm/bin/python bench/gaps.py'
 """
@@ -33,6 +35,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
+from engine_gaps import engine_gaps  # noqa: E402
 from load import _gaps, run_meta, write_results  # noqa: E402
 from peer import (  # noqa: E402
     MODEL_NAME,
@@ -128,6 +131,11 @@ def measure(server: Server, how: str, args: Any, seed: int) -> dict[str, Any]:
         ]
     for run in runs:
         print(f"{server.name}, {how} opens: {run}", file=sys.stderr, flush=True)
+    return summary(runs)
+
+
+def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The worst run's figures, the median run's ratio, and every run."""
     worst = max(runs, key=lambda r: r["gap_ratio"])
     ratios = sorted(r["gap_ratio"] for r in runs)
     return {**worst, "median_gap_ratio": ratios[len(ratios) // 2], "runs": runs}
@@ -168,7 +176,9 @@ def main(argv: list[str] | None = None) -> None:
         help="both servers' tokens per step (vLLM's max_num_batched_tokens); 0: each one's own",
     )
     parser.add_argument(
-        "--only", choices=["vllm", "kit"], help="measure one server (a run to set beside another)"
+        "--only",
+        choices=["engine", "vllm", "kit"],
+        help="measure one server, or the engine alone (a run to set beside another)",
     )
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args(argv)
@@ -181,8 +191,14 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, Any] = {"meta": meta, "gaps": {}}
     plan = [(start_vllm, ["chat"]), (start_kit_torchserve, ["chat", "session"])]
     if args.only:
-        plan = plan[:1] if args.only == "vllm" else plan[1:]
+        plan = [step for step in plan if args.only in step[0].__name__]
     name = f"gaps-vllm-{args.step_tokens}" if args.step_tokens else "gaps-vllm"
+    if args.only in (None, "engine"):
+        print("stepping vLLM's engine alone ...", file=sys.stderr)
+        results["gaps"]["engine alone / processed opens"] = summary(
+            engine_gaps(checkpoint, args, seed=10_000)
+        )
+        write_results(args.out / f"{name}.json", results, table(results["gaps"]))
     for start, ways in plan:
         print(f"starting {start.__name__.removeprefix('start_')} ...", file=sys.stderr)
         server = start(checkpoint, args, work)

@@ -10,7 +10,7 @@ import random
 
 import numpy as np
 import pytest
-from PIL import Image, PngImagePlugin
+from PIL import Image, ImageFile, PngImagePlugin
 from safetensors.numpy import save as save_arrays
 
 from llava.core.config import ServerConfig
@@ -128,8 +128,10 @@ def test_decode_refuses_what_is_not_a_small_enough_picture(monkeypatch: pytest.M
     png = VllmImage.of(scene()).encoded
     width, height = scene().size
     monkeypatch.setattr(pictures_module, "MAX_KEPT_PIXELS", width * height - 1)
-    with pytest.raises(ValueError, match="at most"):  # from the header, before decoding
+    with pytest.raises(ValueError, match=f"over {width * height - 1} pixels"):  # its header's
         decode(png)
+    with pytest.raises(ValueError, match=f"over {width * height - 2} pixels"):  # a lower limit
+        decode(png, width * height - 2)
 
 
 def snapshot_of(meta: dict, arrays: dict) -> bytes:
@@ -172,16 +174,40 @@ def test_snapshots_write_kept_bytes_read_every_format_and_refuse_hostile_picture
             restore(snapshot_of({**meta, "format": FORMAT}, {"image.0": array}), "model-a", LIMITS)
 
 
-def test_a_restored_session_is_held_to_the_limits_an_upload_is_held_to() -> None:
+def test_a_restored_session_is_held_to_the_limits_an_upload_is_held_to(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A snapshot (from the store: sealed, but written under other settings) with a larger
     picture or more pictures than this instance lets a client send is refused, that session
-    only."""
+    only, before any of its pictures is decoded."""
     image = VllmImage.of(scene())
     width, height = image.size
     data = capture(VllmSession(None, (image, image), []), "model-a", {})()
+    raw = snapshot_of(
+        {
+            "format": RAW_PIXELS,
+            "model": "model-a",
+            "system_prompt": None,
+            "history": [],
+            "uuids": [image.uuid],
+            "extra": {},
+        },
+        {"image.0": np.asarray(scene())},
+    )
     assert restore(data, "model-a", LIMITS)[0].images[1].uuid == image.uuid
     small = ServerConfig(image_max_pixels=width * height - 1)
-    with pytest.raises(ValueError, match="image_max_pixels"):
+    decoded: list[int] = []
+    real = ImageFile.ImageFile.load
+
+    def load(self: ImageFile.ImageFile) -> object:
+        decoded.append(1)
+        return real(self)
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", load)  # what decoding a PNG or JPEG calls
+    with pytest.raises(ValueError, match=f"over {width * height - 1} pixels"):
         restore(data, "model-a", small)
-    with pytest.raises(ValueError, match="max_images_per_session"):
+    with pytest.raises(ValueError, match="over image_max_pixels"):
+        restore(raw, "model-a", small)
+    with pytest.raises(ValueError, match="2 pictures, over max_images_per_session"):
         restore(data, "model-a", ServerConfig(max_images_per_session=1))
+    assert decoded == []

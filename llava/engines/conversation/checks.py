@@ -85,11 +85,17 @@ def check_added_image(held: int, multi_image: bool, max_images: int, refused: st
         )
 
 
+def check_restored_count(count: int, max_images: int) -> None:
+    """Refuse a stored session with more pictures than an upload may bring, before any of them
+    is decoded: ValueError, that session only."""
+    if count > max_images:
+        raise ValueError(f"it holds {count} pictures, over max_images_per_session")
+
+
 def check_restored(sizes: Sequence[tuple[int, int]], max_pixels: int, max_images: int) -> None:
     """Refuse a stored session with more or larger pictures than an upload may bring
     (`image_max_pixels`, `max_images_per_session`): ValueError, that session only."""
-    if len(sizes) > max_images:
-        raise ValueError(f"it holds {len(sizes)} pictures, over max_images_per_session")
+    check_restored_count(len(sizes), max_images)
     for width, height in sizes:
         if width * height > max_pixels:
             raise ValueError(f"it holds a {width}x{height} picture, over image_max_pixels")

@@ -49,14 +49,18 @@ def encode(rgb: Image.Image) -> bytes:
     return out.getvalue()
 
 
-def decode(data: bytes) -> Image.Image:
+def decode(data: bytes, max_pixels: int | None = None) -> Image.Image:
     """The RGB pixels a kept picture holds; ValueError if it is not an RGB PNG or JPEG within
-    MAX_KEPT_PIXELS (and MAX_JPEG_SCANS), checked before anything is decoded."""
+    `max_pixels` (at most MAX_KEPT_PIXELS) and MAX_JPEG_SCANS, checked before anything is
+    decoded."""
+    limit = min(max_pixels or MAX_KEPT_PIXELS, MAX_KEPT_PIXELS)
     try:
         with Image.open(io.BytesIO(data), formats=KEPT_FORMATS) as image:
             width, height = image.size
-            if image.mode != "RGB" or width * height > MAX_KEPT_PIXELS:
-                raise ValueError(f"not an RGB PNG or JPEG of at most {MAX_KEPT_PIXELS} pixels")
+            if image.mode != "RGB":
+                raise ValueError(f"not an RGB PNG or JPEG ({image.mode})")
+            if width * height > limit:
+                raise ValueError(f"a {width}x{height} picture, over {limit} pixels")
             if not few_scans(image.format, data):
                 raise ValueError(f"a JPEG of more than {MAX_JPEG_SCANS} scans")
             image.load()
@@ -104,10 +108,11 @@ class VllmImage:
         return cls(source, content_id(rgb), rgb.size, rgb)
 
     @classmethod
-    def restored(cls, data: bytes) -> VllmImage:
+    def restored(cls, data: bytes, max_pixels: int | None = None) -> VllmImage:
         """A picture read back from a snapshot, named by its pixels as this build decodes them
-        (never by the id the snapshot records: vLLM trusts ids); ValueError if it is none."""
-        rgb = decode(data)
+        (never by the id the snapshot records: vLLM trusts ids); ValueError if it is none, or
+        holds over `max_pixels`."""
+        rgb = decode(data, max_pixels)
         return cls(data, content_id(rgb), rgb.size)
 
 

@@ -59,35 +59,38 @@ def restore(
 ) -> tuple[VllmSession, dict[str, Any]]:
     """Rebuild a session's conversation (its prefix ids are the engine's to fill in) and the
     service's extra data; raise ValueError when the bytes are not a snapshot of this model, or
-    hold more or larger pictures than `limits` let a client upload."""
+    hold more or larger pictures than `limits` let a client upload (each checked before it is
+    decoded)."""
     meta = snapshot_meta(data, (FORMAT, PNGS, RAW_PIXELS), fingerprint)
+    checks.check_restored_count(len(meta["uuids"]), limits.max_images_per_session)
     try:
         arrays = load_arrays(data)
     except Exception as exc:  # safetensors raises its own error types
         raise ValueError(f"not a session snapshot: {exc}") from exc
+    raw = meta["format"] == RAW_PIXELS
     images = [
-        _picture(arrays.get(f"image.{i}"), meta["format"] == RAW_PIXELS, i)
+        _picture(arrays.get(f"image.{i}"), raw, i, limits.image_max_pixels)
         for i in range(len(meta["uuids"]))
     ]
-    checks.check_restored(
-        [im.size for im in images], limits.image_max_pixels, limits.max_images_per_session
-    )
     history = [Exchange(p, a, n) for p, a, n in meta["history"]]
     state = VllmSession(meta["system_prompt"], tuple(images), [], history)
     return state, meta["extra"]
 
 
-def _picture(array: Any, raw: bool, i: int) -> VllmImage:
-    """One picture of a snapshot, named by its pixels."""
+def _picture(array: Any, raw: bool, i: int, max_pixels: int) -> VllmImage:
+    """One picture of a snapshot, named by its pixels; over `max_pixels` (image_max_pixels),
+    refused from its header or shape before it is decoded."""
     if array is None or array.dtype != np.uint8 or array.ndim != (3 if raw else 1):
         raise ValueError(f"the snapshot's picture {i} is missing or not a picture")
     if raw and array.shape[2] != 3:
         raise ValueError(f"the snapshot's picture {i} is not RGB pixels")
-    if raw and array.shape[0] * array.shape[1] > MAX_KEPT_PIXELS:
-        raise ValueError(f"the snapshot's picture {i} is larger than any the kit keeps")
+    if raw and array.shape[0] * array.shape[1] > min(max_pixels, MAX_KEPT_PIXELS):
+        raise ValueError(
+            f"it holds a {array.shape[1]}x{array.shape[0]} picture, over image_max_pixels"
+        )
     try:
         if not raw:
-            return VllmImage.restored(array.tobytes())
+            return VllmImage.restored(array.tobytes(), max_pixels)
         image = VllmImage.of(Image.fromarray(array))  # named and encoded from its pixels once
         image.processed()
         return image
