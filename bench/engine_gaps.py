@@ -1,11 +1,12 @@
-"""The floor under bench/gaps.py's figures: vLLM's engine alone, with no server in front of it.
+"""What vLLM's engine alone, with no server in front of it, makes of bench/gaps.py's opens.
 
 One answer streams from an `LLMEngine` stepped in a loop (the engine core and its model worker in
-their own processes, as under either server); after `--quiet` tokens, 4 new pictures, processed
-beforehand by vLLM's own renderer (so no picture work lands on the stepping thread), are added at
-once, each asking for one token. The stream's longest gap while they open, against its quiet
-median gap, is what the engine's steps alone make of the opens: no front, kit's or vLLM's, can
-do better on the same machine and settings.
+their own processes, as under either server; `vllm serve`'s settings and usage context); after
+`--quiet` tokens, 4 new pictures, processed beforehand by vLLM's own renderer (so no picture work
+lands on the stepping thread), are added at once, each asking for one token. The requests are the
+servers' (the same chat prompts, pictures and sampling). The stream's longest gap while they open,
+against its quiet median gap, is what the engine's own steps make of the opens: the figure to set
+both servers' beside.
 """
 
 from __future__ import annotations
@@ -28,11 +29,8 @@ def picture(uri: str) -> Any:
     return Image.open(io.BytesIO(base64.b64decode(uri.split(",", 1)[1]))).convert("RGB")
 
 
-def chat_prompt(checkpoint: Path, question: str, image: str) -> dict[str, Any]:
+def chat_prompt(processor: Any, question: str, image: str) -> dict[str, Any]:
     """A one-picture chat prompt as the servers render it (the checkpoint's chat template)."""
-    from transformers import AutoProcessor
-
-    processor = AutoProcessor.from_pretrained(checkpoint)
     messages = [
         {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}
     ]
@@ -43,8 +41,10 @@ def chat_prompt(checkpoint: Path, question: str, image: str) -> dict[str, Any]:
 def start_engine(checkpoint: Path, settings: dict[str, Any]) -> Any:
     """vLLM's engine with the settings bench/peer.py gives `vllm serve`."""
     from vllm import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.llm_engine import LLMEngine
 
+    extra = {"gpu_memory_utilization": settings["gpu_share"]} if settings["gpu_share"] else {}
     return LLMEngine.from_engine_args(
         EngineArgs(
             model=str(checkpoint),
@@ -56,33 +56,33 @@ def start_engine(checkpoint: Path, settings: dict[str, Any]) -> Any:
             limit_mm_per_prompt={"image": 8},
             generation_config="vllm",
             max_num_batched_tokens=settings["step_tokens"] or None,
-        )
+            **extra,
+        ),
+        usage_context=UsageContext.OPENAI_API_SERVER,  # vllm serve's defaults, not LLMEngine's
     )
 
 
-def one_run(llm: Any, checkpoint: Path, seed: int, settings: dict[str, Any]) -> dict[str, Any]:
-    """Stream one answer; add the pre-processed opens after the quiet tokens."""
+def one_run(llm: Any, processor: Any, seed: int, settings: dict[str, Any]) -> dict[str, Any]:
+    """Stream one answer; add the pre-processed opens after the quiet tokens. Every prompt is
+    rendered before the stream starts (in the order the engine is given them), so the quiet
+    gaps hold nothing but the engine's steps."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    def params(tokens: int) -> Any:
-        return SamplingParams(
-            max_tokens=tokens, temperature=0, ignore_eos=True, output_kind=RequestOutputKind.DELTA
-        )
+    def params(tokens: int) -> Any:  # the servers' sampling: greedy, streamed as deltas
+        return SamplingParams(max_tokens=tokens, temperature=0, output_kind=RequestOutputKind.DELTA)
 
-    renderer = llm.input_processor.renderer
-    story = chat_prompt(checkpoint, "Tell me a long story.", photo_uri(seed, 0))
-    llm.add_request(f"stream-{seed}", story, params(settings["tokens"]))
+    def rendered(question: str, image: str) -> Any:
+        return llm.input_processor.renderer.render_cmpl([chat_prompt(processor, question, image)])[
+            0
+        ]
+
+    story = rendered("Tell me a long story.", photo_uri(seed, 0))
     opens = [
-        renderer.render_cmpl(
-            [
-                chat_prompt(
-                    checkpoint, "What is this?", photo_uri(seed + 1 + i, settings["photo_px"])
-                )
-            ]
-        )[0]
+        rendered("What is this?", photo_uri(seed + 1 + i, settings["photo_px"]))
         for i in range(settings["opens"])
     ]
+    llm.add_request(f"stream-{seed}", story, params(settings["tokens"]))
     events: list[float] = []
     window: dict[str, float] = {}
     waiting: set[str] = set()
@@ -109,12 +109,14 @@ def one_run(llm: Any, checkpoint: Path, seed: int, settings: dict[str, Any]) -> 
 
 
 def _measure(checkpoint: Path, settings: dict[str, Any], seed: int) -> list[dict[str, Any]]:
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(checkpoint)
     llm = start_engine(checkpoint, settings)
     try:
-        one_run(llm, checkpoint, seed, settings)  # warm-up, not kept
+        one_run(llm, processor, seed, settings)  # warm-up, not kept
         return [
-            one_run(llm, checkpoint, seed + 100 * (i + 1), settings)
-            for i in range(settings["runs"])
+            one_run(llm, processor, seed + 100 * (i + 1), settings) for i in range(settings["runs"])
         ]
     finally:
         llm.engine_core.shutdown()
@@ -134,6 +136,7 @@ def engine_gaps(checkpoint: Path, args: Any, seed: int) -> list[dict[str, Any]]:
             "opens",
             "photo_px",
             "runs",
+            "gpu_share",
         )
     }
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as process:

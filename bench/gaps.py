@@ -193,6 +193,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.only:
         plan = [step for step in plan if args.only in step[0].__name__]
     name = f"gaps-vllm-{args.step_tokens}" if args.step_tokens else "gaps-vllm"
+    if args.only:  # a part of a run: never in place of a whole run's file
+        name += f"-{args.only}"
     if args.only in (None, "engine"):
         print("stepping vLLM's engine alone ...", file=sys.stderr)
         results["gaps"]["engine alone / processed opens"] = summary(

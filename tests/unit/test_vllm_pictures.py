@@ -194,19 +194,26 @@ def test_a_restored_session_is_held_to_the_limits_an_upload_is_held_to(
         },
         {"image.0": np.asarray(scene())},
     )
-    assert restore(data, "model-a", LIMITS)[0].images[1].uuid == image.uuid
+    exact = ServerConfig(image_max_pixels=width * height)  # at the limit: as an upload, taken
+    assert restore(data, "model-a", exact)[0].images[1].uuid == image.uuid
+    assert restore(raw, "model-a", exact)[0].images[0].uuid == image.uuid
     small = ServerConfig(image_max_pixels=width * height - 1)
-    decoded: list[int] = []
-    real = ImageFile.ImageFile.load
+    decoded: list[str] = []
+    load, encode = ImageFile.ImageFile.load, pictures_module.encode
 
-    def load(self: ImageFile.ImageFile) -> object:
-        decoded.append(1)
-        return real(self)
+    def loading(self: ImageFile.ImageFile) -> object:
+        decoded.append("bytes")
+        return load(self)
 
-    monkeypatch.setattr(ImageFile.ImageFile, "load", load)  # what decoding a PNG or JPEG calls
-    with pytest.raises(ValueError, match=f"over {width * height - 1} pixels"):
+    def encoding(rgb: Image.Image) -> bytes:
+        decoded.append("pixels")
+        return encode(rgb)
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", loading)  # decoding a PNG or JPEG
+    monkeypatch.setattr(pictures_module, "encode", encoding)  # a raw picture kept as PNG
+    with pytest.raises(ValueError, match=f"picture 0: .* over {width * height - 1} pixels"):
         restore(data, "model-a", small)
-    with pytest.raises(ValueError, match="over image_max_pixels"):
+    with pytest.raises(ValueError, match=f"picture 0: .* over {width * height - 1} pixels"):
         restore(raw, "model-a", small)
     with pytest.raises(ValueError, match="2 pictures, over max_images_per_session"):
         restore(data, "model-a", ServerConfig(max_images_per_session=1))

@@ -84,9 +84,11 @@ def _picture(array: Any, raw: bool, i: int, max_pixels: int) -> VllmImage:
         raise ValueError(f"the snapshot's picture {i} is missing or not a picture")
     if raw and array.shape[2] != 3:
         raise ValueError(f"the snapshot's picture {i} is not RGB pixels")
-    if raw and array.shape[0] * array.shape[1] > min(max_pixels, MAX_KEPT_PIXELS):
+    limit = min(max_pixels, MAX_KEPT_PIXELS)
+    if raw and array.shape[0] * array.shape[1] > limit:
+        height, width = array.shape[:2]
         raise ValueError(
-            f"it holds a {array.shape[1]}x{array.shape[0]} picture, over image_max_pixels"
+            f"the snapshot's picture {i}: a {width}x{height} picture, over {limit} pixels"
         )
     try:
         if not raw:
