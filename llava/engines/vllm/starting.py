@@ -73,7 +73,7 @@ def step_tokens(configured: int, on_cpu: bool) -> int | None:
     gaps while pictures open: a CPU prefills about 0.45 ms a token here, so at vLLM's default
     (2,048) one llava15 picture's 576 tokens hold every stream for a quarter of a second (28x the
     quiet median gap while 4 open, 12x at 256, 5-13x at 64, where vLLM's engine alone with no
-    server is at 7.7-8.9x; bench/results/gaps-vllm*.json). vLLM then runs at most 64 requests
+    server is at 5.4-8.9x; bench/results/gaps-vllm*.json). vLLM then runs at most 64 requests
     at once (its max_num_seqs follows the budget when unset). A GPU's steps are fast enough for
     vLLM's own default. Seeded answers split across steps on a CPU need the kit's vLLM plugin
     (cpu_seeds), which installing the kit registers."""
