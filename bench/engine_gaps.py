@@ -73,9 +73,10 @@ def one_run(llm: Any, processor: Any, seed: int, settings: dict[str, Any]) -> di
         return SamplingParams(max_tokens=tokens, temperature=0, output_kind=RequestOutputKind.DELTA)
 
     def rendered(question: str, image: str) -> Any:
-        return llm.input_processor.renderer.render_cmpl([chat_prompt(processor, question, image)])[
-            0
-        ]
+        (request,) = llm.input_processor.renderer.render_cmpl(
+            [chat_prompt(processor, question, image)]
+        )
+        return request
 
     story = rendered("Tell me a long story.", photo_uri(seed, 0))
     opens = [
@@ -96,8 +97,8 @@ def one_run(llm: Any, processor: Any, seed: int, settings: dict[str, Any]) -> di
                     window["end"] = time.perf_counter()
         if len(events) >= settings["quiet"] and "start" not in window:
             window["start"] = time.perf_counter()
-            for i, rendered in enumerate(opens):
-                llm.add_request(f"open-{seed}-{i}", rendered, params(1))
+            for i, request in enumerate(opens):
+                llm.add_request(f"open-{seed}-{i}", request, params(1))
                 waiting.add(f"open-{seed}-{i}")
     if "end" not in window or events[-1] < window["end"]:
         raise RuntimeError("the stream ended before the opens finished: ask for more --tokens")

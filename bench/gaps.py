@@ -9,8 +9,8 @@ quietly for a while, 4 new pictures (1024x768 photos) arrive at once from anothe
 The figure is the stream's longest gap between two events while they open, against its quiet
 median gap (bench/load.py's measure, which gives the reference's figure through TorchServe).
 Each is measured `--runs` times after a warm-up run; the worst run is the figure. The first row
-is the floor under both servers: vLLM's engine alone, stepped in a loop with no server, given
-the same pictures already processed (bench/engine_gaps.py).
+is vLLM's engine alone, stepped in a loop with no server, given the same requests with their
+pictures already processed (bench/engine_gaps.py): what the engine's own steps make of the opens.
 
     unshare -n sh -c 'ip link set lo up && .venv-vllm/bin/python bench/gaps.py'
 """

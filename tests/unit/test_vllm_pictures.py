@@ -138,6 +138,18 @@ def snapshot_of(meta: dict, arrays: dict) -> bytes:
     return bytes(save_arrays(arrays, metadata={"llava": json.dumps(meta)}))
 
 
+def raw_meta(uuid: str) -> dict:
+    """The header of a first-format snapshot (raw RGB pixels) of `model-a` with one picture."""
+    return {
+        "format": RAW_PIXELS,
+        "model": "model-a",
+        "system_prompt": None,
+        "history": [],
+        "uuids": [uuid],
+        "extra": {},
+    }
+
+
 def test_snapshots_write_kept_bytes_read_every_format_and_refuse_hostile_pictures() -> None:
     rgb = scene()
     image = VllmImage.of(rgb)
@@ -153,14 +165,7 @@ def test_snapshots_write_kept_bytes_read_every_format_and_refuse_hostile_picture
     assert restore(pngs, "model-a", LIMITS)[0].images[0].uuid == image.uuid
     only_pngs = capture(VllmSession(None, (image,), []), "model-a", {})()
     assert PNGS.encode() in only_pngs  # what a kit before the third format reads
-    meta = {
-        "format": RAW_PIXELS,
-        "model": "model-a",
-        "system_prompt": None,
-        "history": [],
-        "uuids": [image.uuid],
-        "extra": {},
-    }
+    meta = raw_meta(image.uuid)
     old, _ = restore(snapshot_of(meta, {"image.0": np.asarray(rgb)}), "model-a", LIMITS)
     assert old.images[0].uuid == image.uuid
     with pytest.raises(ValueError, match="different model"):
@@ -183,17 +188,7 @@ def test_a_restored_session_is_held_to_the_limits_an_upload_is_held_to(
     image = VllmImage.of(scene())
     width, height = image.size
     data = capture(VllmSession(None, (image, image), []), "model-a", {})()
-    raw = snapshot_of(
-        {
-            "format": RAW_PIXELS,
-            "model": "model-a",
-            "system_prompt": None,
-            "history": [],
-            "uuids": [image.uuid],
-            "extra": {},
-        },
-        {"image.0": np.asarray(scene())},
-    )
+    raw = snapshot_of(raw_meta(image.uuid), {"image.0": np.asarray(scene())})
     exact = ServerConfig(image_max_pixels=width * height)  # at the limit: as an upload, taken
     assert restore(data, "model-a", exact)[0].images[1].uuid == image.uuid
     assert restore(raw, "model-a", exact)[0].images[0].uuid == image.uuid

@@ -49,18 +49,22 @@ def encode(rgb: Image.Image) -> bytes:
     return out.getvalue()
 
 
+def check_kept_size(width: int, height: int, max_pixels: int | None = None) -> None:
+    """ValueError if a picture to keep holds over `max_pixels` (at most MAX_KEPT_PIXELS)."""
+    limit = min(max_pixels or MAX_KEPT_PIXELS, MAX_KEPT_PIXELS)
+    if width * height > limit:
+        raise ValueError(f"a {width}x{height} picture, over {limit} pixels")
+
+
 def decode(data: bytes, max_pixels: int | None = None) -> Image.Image:
     """The RGB pixels a kept picture holds; ValueError if it is not an RGB PNG or JPEG within
     `max_pixels` (at most MAX_KEPT_PIXELS) and MAX_JPEG_SCANS, checked before anything is
     decoded."""
-    limit = min(max_pixels or MAX_KEPT_PIXELS, MAX_KEPT_PIXELS)
     try:
         with Image.open(io.BytesIO(data), formats=KEPT_FORMATS) as image:
-            width, height = image.size
             if image.mode != "RGB":
                 raise ValueError(f"not an RGB PNG or JPEG ({image.mode})")
-            if width * height > limit:
-                raise ValueError(f"a {width}x{height} picture, over {limit} pixels")
+            check_kept_size(*image.size, max_pixels)
             if not few_scans(image.format, data):
                 raise ValueError(f"a JPEG of more than {MAX_JPEG_SCANS} scans")
             image.load()

@@ -25,7 +25,7 @@ from llava.core.config import ServerConfig
 from llava.engines.checkpoint import snapshot_meta
 from llava.engines.conversation import checks
 from llava.engines.conversation.chat import Exchange
-from llava.engines.vllm.images import MAX_KEPT_PIXELS, VllmImage
+from llava.engines.vllm.images import VllmImage, check_kept_size
 from llava.engines.vllm.state import VllmSession
 
 FORMAT = "llava-vllm-session/3"
@@ -84,15 +84,11 @@ def _picture(array: Any, raw: bool, i: int, max_pixels: int) -> VllmImage:
         raise ValueError(f"the snapshot's picture {i} is missing or not a picture")
     if raw and array.shape[2] != 3:
         raise ValueError(f"the snapshot's picture {i} is not RGB pixels")
-    limit = min(max_pixels, MAX_KEPT_PIXELS)
-    if raw and array.shape[0] * array.shape[1] > limit:
-        height, width = array.shape[:2]
-        raise ValueError(
-            f"the snapshot's picture {i}: a {width}x{height} picture, over {limit} pixels"
-        )
     try:
         if not raw:
             return VllmImage.restored(array.tobytes(), max_pixels)
+        height, width = array.shape[:2]
+        check_kept_size(width, height, max_pixels)
         image = VllmImage.of(Image.fromarray(array))  # named and encoded from its pixels once
         image.processed()
         return image
