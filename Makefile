@@ -29,11 +29,13 @@ S3_URI         ?=
 ECR_REPOSITORY ?=
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: help venv venv-vllm dev archive serve stop chat test test-ray test-images test-vllm test-vllm-integration test-gpu bench-gpu lint clean bench build-and-push deploy delete local-endpoint stress chaos
+.PHONY: help venv venv-vllm dev archive serve stop chat check test stage-main stage-images-build \
+	stage-images stage-vllm-engine stage-vllm-integration test-ray test-images test-vllm test-vllm-integration test-gpu bench-gpu lint clean bench build-and-push deploy delete local-endpoint stress chaos
 
 help:
 	@echo "make serve   serve MODEL=$(MODEL) on 127.0.0.1:8080 with TorchServe (FRONT=ray: Ray Serve, REPLICAS=N; ENGINE=vllm|transformers)"
-	@echo "make test    run the whole test suite"
+	@echo "make check   ruff, mypy and the tests that need no server (minutes): run it on every change"
+	@echo "make test    run the whole test suite, as CI does (lanes side by side; times in build/test-logs)"
 	@echo "make test-images  build both images on a stand-in base, run them as SageMaker does (Docker)"
 	@echo "make chat    the chat page on 127.0.0.1:7860, beside a running make serve"
 	@echo "make stress  soak ($(STRESS_CYCLES) open/ask/close cycles) and $(STRESS_SESSIONS) concurrent sessions; prints figures"
@@ -119,23 +121,46 @@ lint: venv
 
 # LLAVA_GPU_LOGIC=cpu: the GPU suite (tests/gpu) runs its logic here, with tiny shapes.
 PYTEST = LLAVA_GPU_LOGIC=cpu $(BIN)/python -m pytest -q -p no:cacheprovider
-# Then the Ray Serve front's end-to-end tests (two replicas; a two-node cluster). Ray binds the
-# machine's own address, so they run in a private network namespace holding only loopback
-# (root, unshare and ip, as on CI); `make test-ray` runs them alone.
-RAY_TESTS = unshare -n sh -c 'ip link set lo up && LLAVA_NETNS=1 $(PYTEST) \
-	tests/integration/test_ray_front.py tests/integration/test_sessions_api.py \
-	tests/integration/test_openai_api.py tests/integration/test_local_runtime.py \
-	tests/integration/test_shared_sessions.py tests/integration/test_ray_sockets.py -k "ray"'
-# The images the last step tests are built in the background from the start (cold, the build
-# waits on the network as much as on the CPU: tests/images/prebuild.py), then waited for.
-test: venv lint venv-vllm
-	$(BIN)/python tests/images/prebuild.py start $$PPID $(IMAGES_PREBUILT)
-	$(PYTEST) --ignore=tests/images
-	$(RAY_TESTS)
-	unshare -n sh -c 'ip link set lo up && LLAVA_NETNS=1 $(VLLM_PYTEST) $(VLLM_IN_TEST)'
-	$(call VLLM_INTEGRATION,$(VLLM_INTEGRATION_IN_TEST))
+# Ray binds the machine's own address, so what runs Ray Serve runs in a private network
+# namespace holding only loopback (root, unshare and ip, as on CI).
+IN_NETNS = unshare -n sh -c 'ip link set lo up && LLAVA_NETNS=1 $(1)'
+RAY_TESTS = $(call IN_NETNS,$(PYTEST) tests/integration/test_ray_front.py \
+	tests/integration/test_sessions_api.py tests/integration/test_openai_api.py \
+	tests/integration/test_local_runtime.py tests/integration/test_shared_sessions.py \
+	tests/integration/test_sockets.py -k "ray")
+
+# The loop to run on every change (minutes): ruff, mypy and every test that needs no server,
+# no model build beyond the tiny ones built in-process, and no network namespace.
+check: venv lint
+	$(PYTEST) tests/unit
+
+# What CI runs: every stage below, in lanes side by side (tests/stages.py prints each stage's
+# time against its budget in docs/testing.md, and the slowest tests); each stage's whole output
+# is in build/test-logs/. A stage alone: make stage-<name> (after its install).
+test:
+	@test -n "$(PYTHON)" || { echo "need Python 3.10 to 3.13 on PATH (or set PYTHON=)"; exit 1; }
+	$(PYTHON) tests/stages.py --make "$(MAKE)"
+
+# The kit's suite on the transformers engine: unit, integration (TorchServe, the local runtime,
+# browsers) and Ray Serve (two replicas, a two-node cluster), all in one run in the namespace.
+stage-main: venv
+	$(call IN_NETNS,$(PYTEST) --durations=10 --ignore=tests/images)
+
+# The images the images lane tests, built from the repo's Dockerfiles on the stand-in base (cold,
+# the build waits on the network as much as on the CPU); dockerd, if started here, lives as long
+# as `make test` does (tests/images/prebuild.py).
+stage-images-build: venv
+	$(BIN)/python tests/images/prebuild.py start $${LLAVA_STAGES_PID:-$$PPID} $(IMAGES_PREBUILT)
 	$(BIN)/python tests/images/prebuild.py wait
-	$(IMAGES_PYTEST) $(IMAGES_IN_TEST)
+
+stage-images: venv venv-vllm
+	$(IMAGES_PYTEST) --durations=10 $(IMAGES_IN_TEST)
+
+stage-vllm-engine: venv-vllm
+	$(call IN_NETNS,$(VLLM_PYTEST) --durations=10 $(VLLM_IN_TEST))
+
+stage-vllm-integration: venv-vllm
+	$(call VLLM_INTEGRATION,--durations=10 $(VLLM_INTEGRATION_IN_TEST))
 
 test-ray: venv
 	$(RAY_TESTS)
@@ -180,8 +205,8 @@ test-vllm: venv-vllm
 # `make test` runs VLLM_INTEGRATION_IN_TEST of it for CI's time (exact answers, the session and
 # OpenAI APIs on both fronts, every chat client, added pictures, pictures named by uuid);
 # `make test-vllm-integration` runs it all (46 min on 2 cores).
-VLLM_INTEGRATION = unshare -n sh -c 'ip link set lo up && LLAVA_NETNS=1 LLAVA_TEST_ENGINE=vllm \
-	LLAVA_GPU_LOGIC=cpu $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider -rfEs $(1)'
+VLLM_INTEGRATION = $(call IN_NETNS,LLAVA_TEST_ENGINE=vllm LLAVA_GPU_LOGIC=cpu \
+	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider -rfEs $(1))
 VLLM_INTEGRATION_IN_TEST ?= $(addprefix tests/integration/test_,$(addsuffix .py,exact_answers \
 	sessions_api openai_api chat_clients added_images image_handles))
 test-vllm-integration: venv-vllm

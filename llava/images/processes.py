@@ -4,8 +4,10 @@ Decoding an image and running the processor over it (resize, rescale, normalise)
 in Python. On threads of the worker it holds the interpreter lock against the step loop, so
 every stream's step waits on it (measured on 2 cores: decode steps of 25-39 ms against 15 ms
 quiet while 4 images were prepared on threads). A process has its own interpreter. Processes
-start with `spawn`, never `fork` (the worker holds CUDA and threads), at a lower CPU priority
-and with one torch thread each; each gets its own copy of the decoder and the preparer at start.
+are forked by a fork server, never by the worker (which holds CUDA and threads): a fresh
+process that imports the processor's libraries once (seconds of CPU), so each image process
+starts at once and shares them; they run at a lower CPU priority with one torch thread each,
+and each gets its own copy of the decoder and the preparer at start.
 
 A process that dies (a decoder crashing on a hostile file, the out-of-memory killer) breaks the
 whole pool: the pool is replaced, and each image that was in it is tried once more on the new
@@ -71,6 +73,18 @@ def _start_child(payload: bytes, niceness: int) -> None:
         torch.set_num_threads(1)
 
 
+def process_context(*run: Callable[..., Any]) -> multiprocessing.context.BaseContext:
+    """The fork server's context, which imports the worker's main module (as `spawn` would in
+    each process) and the modules of what the processes `run` before it forks any; `spawn`
+    where there is no fork server (not POSIX)."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    modules = {getattr(f, "__module__", None) or type(f).__module__ for f in run}
+    context.set_forkserver_preload(["__main__", __name__, *sorted(modules)])
+    return context
+
+
 def _decode_and_prepare(data: Any, earlier: list[Any]) -> Any:
     """Turn an encoded image into the model's inputs (in an image process)."""
     if _decode is None or _prepare is None:
@@ -98,6 +112,7 @@ class ImageProcesses:
                 f"({exc}); set image_processes: 0 to prepare images on threads instead"
             ) from exc
         self.count = count
+        self._context = process_context(decode, prepare)
         self._lock = threading.Lock()
         self._closed = False
         self._pool = self._new_pool()
@@ -105,7 +120,7 @@ class ImageProcesses:
     def _new_pool(self) -> ProcessPoolExecutor:
         return ProcessPoolExecutor(
             self.count,
-            mp_context=multiprocessing.get_context("spawn"),
+            mp_context=self._context,
             initializer=_start_child,
             initargs=(self._payload, CHILD_NICENESS),
         )

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,32 @@ def serving_profile(
         yield server, oracle(Path(checkpoint))
     finally:
         server.stop()
+
+
+# Every family's answers (exact answers, added pictures, pictures in several chat messages) are
+# tested on one server per tiny family for the whole run: prefills in chunks cut inside image
+# runs, and room on the device for a few sessions' caches only, so sessions move between tiers.
+FAMILY_ENV = {"LLAVA_DEVICE_BUDGET_MB": "0.04", "LLAVA_STEP_TOKEN_BUDGET": "7"}
+
+
+@pytest.fixture(scope="session")
+def family_server(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Callable[[str], tuple[TorchServe, Any]]]:
+    """`family_server(profile)`: a server of that tiny family and its oracle, started on first
+    use and shared by every test after; at the end, no server's logs may show a worker death."""
+    servers: dict[str, tuple[TorchServe, Any]] = {}
+    with ExitStack() as stack:
+
+        def serve(profile: str) -> tuple[TorchServe, Any]:
+            if profile not in servers:
+                served = serving_profile(profile, tmp_path_factory, **FAMILY_ENV)
+                servers[profile] = stack.enter_context(served)
+            return servers[profile]
+
+        yield serve
+        for server, _ in servers.values():
+            assert_no_worker_death(server)
 
 
 @contextmanager
@@ -133,10 +160,57 @@ def two_node_front(checkpoint: Path, workdir: Path) -> Iterator[tuple[RayCluster
             yield cluster, front
 
 
-@pytest.fixture(scope="module", params=["torchserve", "ray"])
-def front(request: pytest.FixtureRequest) -> TorchServe | RayServe:
-    """Each front in turn: the API tests that take it run against TorchServe and Ray Serve."""
-    return request.getfixturevalue("server" if request.param == "torchserve" else "ray_front")
+@dataclass(frozen=True)
+class FrontUnderTest:
+    """A front the behaviour tests run against: the fixture that gives one instance of it (for
+    the whole run), the fixture that gives the instances the local SageMaker runtime routes
+    between (None: the one instance, which routes each session to its replica itself), and
+    whether it serves SageMaker's WebSocket sessions."""
+
+    fixture: str
+    pair: str | None
+    sockets: bool
+
+
+# The fronts: every test that takes `front`, `socket_front` or the local runtime's instances
+# runs against each of these, as every integration test runs on the engine under test; a new
+# front joins them all by being added here.
+FRONTS = {
+    "torchserve": FrontUnderTest("server", pair="server_pair", sockets=False),
+    "ray": FrontUnderTest("ray_front", pair=None, sockets=True),
+}
+
+
+@pytest.fixture(scope="module", params=list(FRONTS))
+def front(request: pytest.FixtureRequest) -> Any:
+    """Each front in turn, one instance of it."""
+    return request.getfixturevalue(FRONTS[request.param].fixture)
+
+
+@pytest.fixture(scope="module", params=[name for name, f in FRONTS.items() if f.sockets])
+def socket_front(request: pytest.FixtureRequest) -> Any:
+    """Each front that serves sessions over SageMaker's WebSocket, in turn."""
+    return request.getfixturevalue(FRONTS[request.param].fixture)
+
+
+@pytest.fixture(scope="module", params=list(FRONTS))
+def instances(request: pytest.FixtureRequest) -> list[Any]:
+    """Each front in turn, as the instances of an endpoint behind the local SageMaker runtime:
+    two of a front the runtime's sticky routing must route between, or one that routes its
+    sessions to its replicas itself."""
+    front = FRONTS[request.param]
+    if front.pair is None:
+        return [request.getfixturevalue(front.fixture)]
+    return list(request.getfixturevalue(front.pair))
+
+
+@pytest.fixture(scope="module")
+def server_pair(
+    model_store: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[list[TorchServe]]:
+    """Two TorchServes side by side, as two instances of an endpoint."""
+    with running_servers(model_store, tmp_path_factory, 2, "ts") as servers:
+        yield servers
 
 
 @pytest.fixture()

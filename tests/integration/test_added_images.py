@@ -7,11 +7,10 @@ A single-image family (LLaVA-1.5) refuses an added image with a 400 and keeps se
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
-from conftest import assert_no_worker_death, serving_profile
 from engine_under_test import assert_reused, oracle
 from helpers import Reference, ask, data_uri, make_image, open_session, post
 
@@ -24,13 +23,9 @@ TOKENS = 10
 
 
 @pytest.fixture(scope="module", params=["interleave", "onevision"])
-def served(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[TorchServe, Reference]]:
-    chunked = {"LLAVA_STEP_TOKEN_BUDGET": "11"}  # added images' prefills in chunks too
-    with serving_profile(request.param, tmp_path_factory, **chunked) as (server, reference):
-        yield server, reference
-        assert_no_worker_death(server)
+def served(request: pytest.FixtureRequest, family_server: Any) -> tuple[TorchServe, Reference]:
+    """A multi-image family's server (its prefills in chunks, added pictures' too)."""
+    return family_server(request.param)
 
 
 def test_added_images_join_the_conversation_without_being_sent_again(served, client):

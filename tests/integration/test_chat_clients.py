@@ -15,7 +15,6 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from conftest import serving_profile
 from engine_under_test import least_reused, oracle, reusable
 from helpers import Reference, data_uri, make_image
 
@@ -201,10 +200,9 @@ def test_langchain_chat_openai_holds_a_chat_with_an_image(server, reference):
 
 
 @pytest.fixture(scope="module", params=["interleave", "onevision"])
-def several(request, tmp_path_factory):
+def several(request, family_server):
     """A family trained on several images: Interleave encodes each alone, OneVision together."""
-    with serving_profile(request.param, tmp_path_factory) as served:
-        yield served
+    return family_server(request.param)
 
 
 def test_a_chat_with_images_in_several_messages_on_a_multi_image_family(several):

@@ -10,11 +10,10 @@ Each server has a device budget of about two sessions, so later turns come back 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
-from conftest import serving_profile
 from engine_under_test import ON_VLLM, assert_reused
 from helpers import Reference, ask, data_uri, make_image, open_session
 
@@ -31,16 +30,10 @@ SIZES = [(61, 37), (30, 90), (80, 64)]
 
 
 @pytest.fixture(scope="module", params=["tiny", "interleave", "next", "onevision"])
-def served(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[TorchServe, Reference]]:
-    """A TorchServe serving one profile, and the oracle on the same checkpoint."""
-    env = {
-        "LLAVA_DEVICE_BUDGET_MB": "0.04",  # a few sessions' caches
-        "LLAVA_STEP_TOKEN_BUDGET": "7",  # every prefill in chunks, cut inside image runs
-    }
-    with serving_profile(request.param, tmp_path_factory, **env) as served:
-        yield served
+def served(request: pytest.FixtureRequest, family_server: Any) -> tuple[TorchServe, Reference]:
+    """A TorchServe serving one profile (conftest.FAMILY_ENV: prefills in chunks cut inside
+    image runs, a few sessions' caches on the device), and the oracle on the same checkpoint."""
+    return family_server(request.param)
 
 
 def test_four_turns_equal_the_pipeline_with_and_without_a_system_prompt(served, client):

@@ -17,7 +17,6 @@ import boto3
 import pytest
 from botocore.config import Config
 from botocore.exceptions import ClientError
-from conftest import running_servers
 from engine_under_test import least_reused, oracle
 from helpers import data_uri, make_image
 
@@ -34,16 +33,6 @@ TOKENS = 8
 @pytest.fixture(scope="module")
 def reference(tiny_checkpoint):
     return oracle(tiny_checkpoint)
-
-
-@pytest.fixture(scope="module", params=["torchserve", "ray"])
-def instances(request, model_store, tmp_path_factory):
-    """Two TorchServe containers, or one Ray Serve container (two replicas inside)."""
-    if request.param == "ray":
-        yield [request.getfixturevalue("ray_front")]
-        return
-    with running_servers(model_store, tmp_path_factory, 2, "ts") as servers:
-        yield servers
 
 
 @pytest.fixture(scope="module")

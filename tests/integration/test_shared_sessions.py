@@ -114,20 +114,6 @@ def kill_instance(ts: TorchServe) -> None:
     os.kill(pid, signal.SIGKILL)
 
 
-def replicas_of(workdir: Path, pids: list[int]) -> list[int]:
-    """The replicas of one cluster (its nodes' environment names its workdir) among all of this
-    machine's (another front of the test run may be up)."""
-    mine = []
-    for pid in pids:
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
-        except OSError:
-            continue  # gone meanwhile
-        if str(workdir) in environ:
-            mine.append(pid)
-    return mine
-
-
 STORE_WAIT_S = 30  # how long the store may take to show what the instances wrote
 
 
@@ -243,7 +229,7 @@ def test_ray_sessions_resume_on_the_rest_when_a_node_and_a_replica_go(
         second = stored_turn(1)
         assert len({a["usage"]["node"] for a in second}) == 1  # all on the head now
         assert "store" in {a["usage"]["session_tier"] for a in second}
-        [pid] = replicas_of(cluster.workdir, front.replica_pids())
+        [pid] = cluster.replica_pids()
         os.kill(pid, signal.SIGKILL)  # and that replica: Ray starts another
         turn(2)
     for picture, answers in zip(pictures, said, strict=True):

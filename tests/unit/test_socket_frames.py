@@ -1,6 +1,6 @@
 """The WebSocket session protocol (llava.fronts.sockets) against a recorded front: which session
 header each frame goes with, what the connection holds after each reply, and the frames that
-stand for replies a front could not finish (the end to end is tests/integration/test_ray_sockets
+stand for replies a front could not finish (the end to end is tests/integration/test_sockets
 and tests/images)."""
 
 from __future__ import annotations

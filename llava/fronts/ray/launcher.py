@@ -106,11 +106,8 @@ class RayServe:
             return False
 
     def replica_pids(self) -> list[int]:
-        """Return the process ids of the replicas (Ray titles each replica's process)."""
-        found = subprocess.run(
-            ["pgrep", "-f", REPLICA_TITLE], capture_output=True, text=True, check=False
-        )
-        return sorted(int(pid) for pid in found.stdout.split())
+        """Return the process ids of this front's replicas (on a cluster: `RayCluster`'s)."""
+        return replica_pids(self.workdir)
 
     def stop(self, timeout_s: float = 60.0) -> None:
         """Stop gracefully (replicas flush their snapshots); kill what is left after."""
@@ -136,6 +133,25 @@ class RayServe:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def replica_pids(workdir: Path) -> list[int]:
+    """Return the process ids of the replicas started under `workdir` (a front's, or a
+    cluster's nodes'): Ray titles each replica's process, and its environment names the
+    workdir (`state_env`), which tells them from another front's on the same machine."""
+    found = subprocess.run(
+        ["pgrep", "-f", REPLICA_TITLE], capture_output=True, text=True, check=False
+    )
+    marker = f"\0LLAVA_SNAPSHOT_DIR={workdir / 'snapshots'}\0".encode()
+    mine = []
+    for pid in map(int, found.stdout.split()):
+        try:
+            environ = b"\0" + Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue  # gone meanwhile
+        if marker in environ:
+            mine.append(pid)
+    return sorted(mine)
 
 
 def state_env(workdir: Path) -> dict[str, str]:
@@ -198,6 +214,10 @@ class RayCluster:
                 self.stop()
                 raise RuntimeError(f"Ray node {nodes} did not start: see {self.workdir}")
             time.sleep(1)
+
+    def replica_pids(self) -> list[int]:
+        """Return the process ids of the replicas on this cluster's nodes."""
+        return replica_pids(self.workdir)
 
     def stop_node(self, index: int) -> None:
         """Take one node out, as a drained or lost machine: `ray stop` of what it started."""

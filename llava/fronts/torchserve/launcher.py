@@ -58,6 +58,13 @@ def free_ports(count: int) -> list[int]:
     return ports
 
 
+def _socket_taken(worker_port: int, span: int = 8) -> bool:
+    """Tell whether a worker port's Unix sockets (/tmp/.ts.sock.<port>, whatever TMPDIR says,
+    and the next few, which restarted workers take) are another TorchServe's: ports are per
+    network namespace, these paths are the machine's."""
+    return any(Path(f"/tmp/.ts.sock.{worker_port + i}").exists() for i in range(span))
+
+
 class TorchServe:
     """One TorchServe process serving one model from a model store, bound to 127.0.0.1."""
 
@@ -75,6 +82,8 @@ class TorchServe:
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="torchserve-"))
         self.extra_env = env or {}
         ports = free_ports(6)
+        while _socket_taken(ports[3]):  # another network namespace's TorchServe holds it
+            ports[3] = free_port()
         self.port = port or ports[0]
         self.management_port, self.metrics_port, self.worker_port = ports[1:4]
         self._grpc_ports = ports[4:6]

@@ -1,7 +1,8 @@
-"""Sessions over SageMaker's WebSocket (`/invocations-bidirectional-stream`) on the Ray front:
-one connection, one session; frames are the session API's bodies and replies, errors carry
-HTTP's codes; a closed connection leaves the session to be taken up by id. Driven by a real
-WebSocket client (`websockets`) and the kit's own `SessionClient.connect`."""
+"""Sessions over SageMaker's WebSocket (`/invocations-bidirectional-stream`), on each front that
+serves them (`socket_front`): one connection, one session; frames are the session API's bodies
+and replies, errors carry HTTP's codes; a closed connection leaves the session to be taken up
+by id. Driven by a real WebSocket client (`websockets`) and the kit's own
+`SessionClient.connect`."""
 
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ from websockets.sync.client import ClientConnection, connect
 
 from llava.api.headers import SESSION_HEADER, SOCKET_PATH
 from llava.client import SessionClient
-from llava.fronts.ray.launcher import RayServe
 
 pytestmark = pytest.mark.integration
 PROMPTS = ["What is in the picture?", "And what else?", "Say it again."]
@@ -32,7 +32,7 @@ def reference(tiny_checkpoint: Any) -> Reference:
     return oracle(tiny_checkpoint)
 
 
-def socket_of(front: RayServe) -> ClientConnection:
+def socket_of(front: Any) -> ClientConnection:
     return connect(front.url(SOCKET_PATH).replace("http://", "ws://"), open_timeout=30)
 
 
@@ -51,8 +51,8 @@ def query(prompt: str, **extra: Any) -> dict[str, Any]:
 
 
 @pytest.fixture()
-def ws(ray_front: RayServe) -> Iterator[ClientConnection]:
-    with socket_of(ray_front) as connection:
+def ws(socket_front: Any) -> Iterator[ClientConnection]:
+    with socket_of(socket_front) as connection:
         yield connection
 
 
@@ -79,12 +79,12 @@ def test_a_conversation_over_one_socket_answers_as_the_pipeline(
 
 
 def test_errors_come_as_frames_with_http_s_codes_and_the_socket_keeps_serving(
-    ws: ClientConnection, ray_front: RayServe
+    ws: ClientConnection, socket_front: Any
 ) -> None:
     ws.send("not json")
     bad = json.loads(ws.recv(timeout=30))
     assert (bad["status"], bad["error"]["code"]) == (400, "invalid_request"), bad
-    url = ray_front.url("/invocations")
+    url = socket_front.url("/invocations")
     with httpx.Client(timeout=60) as http:  # a session that was closed, and HTTP's answer
         gone = open_session(http, url, data_uri(make_image(705)))
         http.post(url, json={"type": "close_session"}, headers={SESSION_HEADER: gone})
@@ -107,30 +107,30 @@ def test_errors_come_as_frames_with_http_s_codes_and_the_socket_keeps_serving(
 
 
 def test_a_session_outlives_its_connection_and_is_taken_up_by_id(
-    ray_front: RayServe, reference: Reference
+    socket_front: Any, reference: Reference
 ) -> None:
     pic = make_image(703)
-    with socket_of(ray_front) as ws:
+    with socket_of(socket_front) as ws:
         [opened] = send(ws, {"type": "open_session", "image": data_uri(pic)})
         [first] = send(ws, query(PROMPTS[0]))
     sid = opened["session_id"]
-    with socket_of(ray_front) as ws:  # a new connection names it once, then holds it
+    with socket_of(socket_front) as ws:  # a new connection names it once, then holds it
         [second] = send(ws, query(PROMPTS[1], session_id=sid))
         [third] = send(ws, query(PROMPTS[2]))
     assert [first["text"], second["text"], third["text"]] == reference.answers(pic, PROMPTS, TOKENS)
     assert_reused(first["usage"], second["usage"])
     with httpx.Client(timeout=60) as http:  # and over HTTP, with the header
         r = http.post(
-            ray_front.url("/invocations"),
+            socket_front.url("/invocations"),
             json={"type": "close_session"},
             headers={SESSION_HEADER: sid},
         )
     assert r.status_code == 200, r.text
 
 
-def test_the_kit_s_client_speaks_it(ray_front: RayServe, reference: Reference) -> None:
+def test_the_kit_s_client_speaks_it(socket_front: Any, reference: Reference) -> None:
     pic = make_image(704)
-    client = SessionClient.connect(ray_front.url())
+    client = SessionClient.connect(socket_front.url())
     with client, client.session(image=data_uri(pic)) as s:
         first = s.ask(PROMPTS[0], max_new_tokens=TOKENS).text
         stream = s.stream(PROMPTS[1], max_new_tokens=TOKENS)
@@ -140,7 +140,7 @@ def test_the_kit_s_client_speaks_it(ray_front: RayServe, reference: Reference) -
 
 
 def test_pings_are_answered_and_connections_accepted_while_answers_stream(
-    ray_front: RayServe,
+    socket_front: Any,
 ) -> None:
     """SageMaker pings every 60 s and wants a connection accepted within 250 ms: 10 of each are
     made while four sessions stream long answers (figures, not a timed pass)."""
@@ -148,19 +148,19 @@ def test_pings_are_answered_and_connections_accepted_while_answers_stream(
     opened = threading.Barrier(5)
 
     def busy(seed: int) -> int:
-        with socket_of(ray_front) as ws:
+        with socket_of(socket_front) as ws:
             send(ws, {"type": "open_session", "image": data_uri(make_image(710 + seed))})
             opened.wait(60)
             return len(send(ws, query("Tell me everything.", **long)))
 
     accepted, ponged, busy_at = [], [], []
-    with ThreadPoolExecutor(4) as pool, socket_of(ray_front) as ws:
+    with ThreadPoolExecutor(4) as pool, socket_of(socket_front) as ws:
         streams = [pool.submit(busy, seed) for seed in range(4)]
         opened.wait(60)
         for _ in range(10):
             busy_at.append(sum(not f.done() for f in streams))
             start = time.monotonic()
-            with socket_of(ray_front):
+            with socket_of(socket_front):
                 accepted.append(time.monotonic() - start)
             start = time.monotonic()
             assert ws.ping().wait(30)
@@ -173,14 +173,14 @@ def test_pings_are_answered_and_connections_accepted_while_answers_stream(
 
 
 def test_a_follow_up_over_the_socket_answers_as_over_http_in_fewer_bytes(
-    ray_front: RayServe,
+    socket_front: Any,
 ) -> None:
     """The same follow-up on the same picture over both: the same answer. Figures: the bytes a
     client sends for it (a client frame's header is 6 bytes up to 125 bytes of payload, 8 up to
     64 KiB: RFC 6455), and the time to its first streamed token."""
     pic = data_uri(make_image(730))
     body = query(PROMPTS[1], stream=True)
-    with socket_of(ray_front) as ws:
+    with socket_of(socket_front) as ws:
         [opened] = send(ws, {"type": "open_session", "image": pic})
         send(ws, query(PROMPTS[0]))
         frame = json.dumps(body).encode()
@@ -191,7 +191,7 @@ def test_a_follow_up_over_the_socket_answers_as_over_http_in_fewer_bytes(
         socket_first = time.monotonic() - start
         while "usage" not in lines[-1]:
             lines.append(json.loads(ws.recv(timeout=60)))
-    url = ray_front.url("/invocations")
+    url = socket_front.url("/invocations")
     with httpx.Client(timeout=60) as http:
         sid = open_session(http, url, pic)
         ask(http, url, sid, PROMPTS[0], max_new_tokens=TOKENS)
