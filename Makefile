@@ -220,7 +220,7 @@ test-vllm-integration: venv-vllm
 # GPU_PY=python3 uses them instead of the venv.
 GPU_PY ?= $(BIN)/python
 NO_CUDA = $(GPU_PY) -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null \
-	|| { echo "no CUDA device here: $@ skips (see README, Proving it on a GPU)"; exit 0; }
+	|| { echo "no CUDA device here: $@ skips (see docs/performance.md, Proving it on a GPU)"; exit 0; }
 test-gpu: $(if $(filter $(BIN)/python,$(GPU_PY)),venv)
 	@$(NO_CUDA); $(GPU_PY) -m pytest -q -s -p no:cacheprovider tests/gpu tests/with_vllm/test_vllm_gpu.py
 
