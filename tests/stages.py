@@ -1,13 +1,15 @@
-"""`make test`: every stage of the proof, in lanes that run side by side, with their times.
+"""`make test`: every stage of the proof, scheduled on the machine's cores, with their times.
 
-A lane is a chain of stages that need each other (an install, then the suites it serves); lanes
-run at once, so what waits on the network (installs, image builds) or on a server starting
-overlaps with what computes. Each stage is one target of the Makefile (its command lives there)
-and writes its whole output to build/test-logs/<stage>.log; the console gets each stage's
-progress lines, then a table of stage times against their budgets (docs/testing.md), the
-slowest tests of the run, and the whole log of any stage that failed.
+A stage is one target of the Makefile (its command lives there) that waits for the stages it
+needs (an install, a build). What waits on the network (installs, image builds) starts as soon as
+it can; what computes (lint and the suites) takes one of SLOTS places, one per core, in the order
+STAGES lists it, so the suites never outnumber the cores (three at once on two cores stretched
+every wait a test makes until it timed out). Each stage writes its whole output to
+build/test-logs/<stage>.log; the console gets each stage's progress lines, then a table of stage
+times and CPU seconds against their budgets (docs/testing.md), the slowest tests of the run, and
+the whole log of any stage that failed.
 
-    python3 tests/stages.py [--make make] [--only STAGE ...]
+    python3 tests/stages.py [--make make] [--only STAGE ...] [--slots N]
 
 Standard library only: it runs before any environment is installed.
 """
@@ -15,6 +17,7 @@ Standard library only: it runs before any environment is installed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -23,6 +26,7 @@ import sys
 import threading
 import time
 import xml.etree.ElementTree as ElementTree
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,32 +36,29 @@ LOGS = REPO / "build" / "test-logs"
 
 @dataclass(frozen=True)
 class Stage:
-    """One target of the Makefile, its budget in seconds, and the stages it waits for."""
+    """One target of the Makefile, its budget in seconds, the stages it waits for, and whether
+    it computes (takes a core) or mostly waits on the network."""
 
     name: str
     target: str
     budget_s: int
     after: tuple[str, ...] = ()
+    computes: bool = True
 
 
-# The lanes, each run in order; a stage also waits for the stages named in `after`. Budgets are
-# docs/testing.md's (cold, on CI's 2 cores, with the lanes beside each other).
-LANES: dict[str, list[Stage]] = {
-    "kit": [
-        Stage("install-kit", "venv", 360),
-        Stage("lint", "lint", 120),
-        Stage("main", "stage-main", 1500),
-    ],
-    "vllm": [
-        Stage("install-vllm", "venv-vllm", 480),
-        Stage("vllm-engine", "stage-vllm-engine", 720),
-        Stage("vllm-integration", "stage-vllm-integration", 600),
-    ],
-    "images": [
-        Stage("images-build", "stage-images-build", 1200, after=("install-kit",)),
-        Stage("images", "stage-images", 720, after=("install-vllm",)),
-    ],
-}
+# Every stage; a computing stage takes a free slot in this order once what it waits for passed
+# (the longest first). Budgets are docs/testing.md's: cold, on CI's 2 cores, beside each other.
+STAGES: list[Stage] = [
+    Stage("install-kit", "venv", 360, computes=False),
+    Stage("install-vllm", "venv-vllm", 480, computes=False),
+    Stage("images-build", "stage-images-build", 1500, ("install-kit",), computes=False),
+    Stage("lint", "lint", 120, ("install-kit",)),
+    Stage("main", "stage-main", 1500, ("install-kit",)),
+    Stage("vllm-engine", "stage-vllm-engine", 720, ("install-vllm",)),
+    Stage("vllm-integration", "stage-vllm-integration", 600, ("install-vllm",)),
+    Stage("images", "stage-images", 900, ("images-build", "install-vllm")),
+]
+SLOTS = 2  # CI's cores
 # What the console shows of a stage's output: pytest's progress and summary lines.
 SHOWN = re.compile(
     r"\[\s*\d+%\]$|^=+ .*(passed|failed|error|skipped).* =+$|^(FAILED|ERROR) |"
@@ -67,51 +68,109 @@ SHOWN = re.compile(
 
 @dataclass
 class Outcome:
-    """How a stage ended: its exit status (None: not run) and its seconds."""
+    """How a stage ended: its exit status (None: not run), its seconds, and the CPU seconds
+    its processes used (None where no cgroup could count them)."""
 
     stage: Stage
-    lane: str
     status: int | None = None
+    began: float = 0.0
     seconds: float = 0.0
+    cpu_s: float | None = None
     why_not_run: str = ""
 
 
-class Run:
-    """Run the lanes side by side and keep each stage's outcome."""
+CPUACCT = Path("/sys/fs/cgroup/cpuacct")
 
-    def __init__(self, make: str, only: set[str] | None) -> None:
+
+class CpuCount:
+    """A cgroup (v1 cpuacct) a stage's processes run in, daemons they start included (not
+    Docker's containers, which Docker puts in its own): on a machine shared by stages, the CPU
+    a stage costs, which its wall time no longer tells."""
+
+    def __init__(self, name: str) -> None:
+        self.path: Path | None = CPUACCT / f"llava-stage-{os.getpid()}-{name}"
+        try:
+            self.path.mkdir(exist_ok=True)
+        except OSError:  # no cgroup v1 here, or not root: the stage runs uncounted
+            self.path = None
+
+    def wrap(self, command: list[str]) -> list[str]:
+        """`command`, run from inside the cgroup."""
+        if self.path is None:
+            return command
+        procs = self.path / "cgroup.procs"
+        return ["sh", "-c", f'echo $$ > {procs} && exec "$@"', "sh", *command]
+
+    def seconds(self) -> float | None:
+        if self.path is None:
+            return None
+        return int((self.path / "cpuacct.usage").read_text()) / 1e9
+
+    def remove(self) -> None:
+        """Remove the cgroup once it is empty (a daemon left running keeps it: left be)."""
+        if self.path is not None:
+            with contextlib.suppress(OSError):
+                self.path.rmdir()
+
+
+class Slots:
+    """The cores the computing stages share: a free one goes to the first stage in STAGES'
+    order among those waiting for one."""
+
+    def __init__(self, count: int) -> None:
+        self.free = count
+        self.waiting: set[int] = set()
+        self.changed = threading.Condition()
+
+    @contextlib.contextmanager
+    def held(self, rank: int) -> Iterator[None]:
+        with self.changed:
+            self.waiting.add(rank)
+            self.changed.wait_for(lambda: self.free > 0 and rank == min(self.waiting))
+            self.waiting.discard(rank)
+            self.free -= 1
+            self.changed.notify_all()
+        try:
+            yield
+        finally:
+            with self.changed:
+                self.free += 1
+                self.changed.notify_all()
+
+
+class Run:
+    """Run every stage when what it waits for passed, the computing ones a slot at a time."""
+
+    def __init__(self, make: str, only: set[str] | None, slots: int) -> None:
         self.make = make
         self.only = only
+        self.slots = Slots(slots)
         self.started = time.monotonic()
-        self.outcomes: dict[str, Outcome] = {}
-        self.finished: dict[str, threading.Event] = {}
+        self.outcomes = {stage.name: Outcome(stage) for stage in STAGES}
+        self.finished = {stage.name: threading.Event() for stage in STAGES}
         self.print_lock = threading.Lock()
-        for lane, stages in LANES.items():
-            for stage in stages:
-                self.outcomes[stage.name] = Outcome(stage, lane)
-                self.finished[stage.name] = threading.Event()
 
     def say(self, stage: str, line: str) -> None:
         stamp = time.strftime("%H:%M:%S")
         with self.print_lock:
             print(f"{stamp} {stage:>16} | {line}", flush=True)
 
-    def lane(self, stages: list[Stage]) -> None:
-        """Run a lane's stages in order; a stage whose prerequisite failed is not run."""
-        before: tuple[str, ...] = ()
-        for stage in stages:
-            outcome = self.outcomes[stage.name]
-            try:
-                blocked = next((n for n in (*before, *stage.after) if not self.usable(n)), None)
-                if blocked is not None:
-                    outcome.why_not_run = f"not run: {blocked} did not pass"
-                elif self.only is None or stage.name in self.only:
+    def stage(self, rank: int, stage: Stage) -> None:
+        """Run one stage once what it waits for passed; one whose prerequisite failed is not."""
+        outcome = self.outcomes[stage.name]
+        try:
+            blocked = next((n for n in stage.after if not self.usable(n)), None)
+            if blocked is not None:
+                outcome.why_not_run = f"not run: {blocked} did not pass"
+            elif self.only is not None and stage.name not in self.only:
+                outcome.why_not_run = "left out (--only)"
+            elif stage.computes:
+                with self.slots.held(rank):
                     self.run(outcome)
-                else:
-                    outcome.why_not_run = "left out (--only)"
-            finally:
-                self.finished[stage.name].set()
-            before = (stage.name,)
+            else:
+                self.run(outcome)
+        finally:
+            self.finished[stage.name].set()
 
     def usable(self, name: str) -> bool:
         """Wait for a stage; tell whether what follows it may run (it passed, or was left out
@@ -128,9 +187,11 @@ class Run:
         env["PYTEST_ADDOPTS"] = f"{env.get('PYTEST_ADDOPTS', '')} --junitxml={junit}".strip()
         self.say(stage.name, f"make {stage.target} (log: {log_path.relative_to(REPO)})")
         began = time.monotonic()
+        outcome.began = began - self.started
+        count = CpuCount(stage.name)
         with open(log_path, "w", encoding="utf-8", errors="replace") as log:
             process = subprocess.Popen(
-                [self.make, "--no-print-directory", stage.target],
+                count.wrap([self.make, "--no-print-directory", stage.target]),
                 cwd=REPO,
                 env=env,
                 stdin=subprocess.DEVNULL,
@@ -147,14 +208,17 @@ class Run:
                     self.say(stage.name, line.rstrip())
             outcome.status = process.wait()
         outcome.seconds = time.monotonic() - began
+        outcome.cpu_s = count.seconds()
+        count.remove()
         verdict = "passed" if outcome.status == 0 else f"FAILED (exit {outcome.status})"
-        self.say(stage.name, f"{verdict} in {minutes(outcome.seconds)}")
+        cpu = "" if outcome.cpu_s is None else f", {outcome.cpu_s:.0f} CPU-s"
+        self.say(stage.name, f"{verdict} in {minutes(outcome.seconds)}{cpu}")
 
     def go(self) -> int:
         LOGS.mkdir(parents=True, exist_ok=True)
         threads = [
-            threading.Thread(target=self.lane, args=(stages,), name=lane)
-            for lane, stages in LANES.items()
+            threading.Thread(target=self.stage, args=(rank, stage), name=stage.name)
+            for rank, stage in enumerate(STAGES)
         ]
         for thread in threads:
             thread.start()
@@ -166,7 +230,7 @@ class Run:
         """Print the stage table, the slowest tests and the logs of failed stages; save it."""
         wall = time.monotonic() - self.started
         rows = []
-        print(f"\n{'stage':<18}{'lane':<8}{'time':>8}{'budget':>8}  result")
+        print(f"\n{'stage':<18}{'began':>8}{'time':>8}{'budget':>8}{'CPU-s':>8}  result")
         for outcome in self.outcomes.values():
             stage = outcome.stage
             if outcome.status is None:
@@ -175,21 +239,25 @@ class Run:
                 result = f"FAILED (exit {outcome.status})"
             else:
                 result = "passed" + ("  (over budget)" if outcome.seconds > stage.budget_s else "")
+            cpu = "" if outcome.cpu_s is None else f"{outcome.cpu_s:.0f}"
             print(
-                f"{stage.name:<18}{outcome.lane:<8}{minutes(outcome.seconds):>8}"
-                f"{minutes(stage.budget_s):>8}  {result}"
+                f"{stage.name:<18}{minutes(outcome.began):>8}{minutes(outcome.seconds):>8}"
+                f"{minutes(stage.budget_s):>8}{cpu:>8}  {result}"
             )
             rows.append(
                 {
                     "stage": stage.name,
-                    "lane": outcome.lane,
+                    "began_s": round(outcome.began, 1),
                     "seconds": round(outcome.seconds, 1),
+                    "cpu_s": None if outcome.cpu_s is None else round(outcome.cpu_s),
                     "budget_s": stage.budget_s,
                     "status": outcome.status,
                 }
             )
-        print(f"{'all lanes':<18}{'':<8}{minutes(wall):>8}")
-        slowest = slowest_tests(15)
+        print(f"{'all stages':<18}{'':>8}{minutes(wall):>8}")
+        slowest = slowest_tests(
+            [o.stage.name for o in self.outcomes.values() if o.status is not None], 15
+        )
         if slowest:
             print("\nslowest tests (setup, call and teardown):")
             for seconds, stage_name, test in slowest:
@@ -206,13 +274,13 @@ class Run:
         return 1 if failed or not_run else 0
 
 
-def slowest_tests(count: int) -> list[tuple[float, str, str]]:
-    """The slowest tests over every stage's JUnit report: (seconds, stage, test)."""
+def slowest_tests(stages: list[str], count: int) -> list[tuple[float, str, str]]:
+    """The slowest tests in these stages' JUnit reports: (seconds, stage, test)."""
     found = []
-    for report in LOGS.glob("*.xml"):
+    for report in (LOGS / f"{name}.xml" for name in stages):
         try:
             root = ElementTree.parse(report).getroot()
-        except ElementTree.ParseError:
+        except (OSError, ElementTree.ParseError):  # a stage that ran no pytest
             continue
         for case in root.iter("testcase"):
             test = f"{case.get('classname', '')}::{case.get('name', '')}"
@@ -228,12 +296,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--make", default="make", help="the make to run each stage with")
     parser.add_argument("--only", nargs="*", help="run these stages (and skip the rest)")
+    parser.add_argument("--slots", type=int, default=SLOTS, help="computing stages at once")
     args = parser.parse_args()
-    known = {s.name for stages in LANES.values() for s in stages}
+    known = {s.name for s in STAGES}
     unknown = set(args.only or ()) - known
     if unknown:
         parser.error(f"no stage named {', '.join(sorted(unknown))}; stages: {sorted(known)}")
-    return Run(args.make, set(args.only) if args.only else None).go()
+    return Run(args.make, set(args.only) if args.only else None, args.slots).go()
 
 
 if __name__ == "__main__":

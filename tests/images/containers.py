@@ -41,7 +41,7 @@ VLLM_CPU_ENV = {
 }
 
 
-def docker(*args: str, timeout: float = 120, check: bool = True) -> str:
+def docker(*args: str, timeout: float = 300, check: bool = True) -> str:
     """Run a docker command; return its stdout (raising with its stderr if it fails)."""
     run = subprocess.run(
         ["docker", *args], capture_output=True, text=True, timeout=timeout, check=False

@@ -204,13 +204,14 @@ def instances(request: pytest.FixtureRequest) -> list[Any]:
     return list(request.getfixturevalue(front.pair))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def server_pair(
-    model_store: Path, tmp_path_factory: pytest.TempPathFactory
+    server: TorchServe, model_store: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[list[TorchServe]]:
-    """Two TorchServes side by side, as two instances of an endpoint."""
-    with running_servers(model_store, tmp_path_factory, 2, "ts") as servers:
-        yield servers
+    """The run's TorchServe and a second one beside it, as two instances of an endpoint (the
+    local runtime's tests, the notebook's, prefix-aware routing's)."""
+    with running_servers(model_store, tmp_path_factory, 1, "second") as [second]:
+        yield [server, second]
 
 
 @pytest.fixture()

@@ -21,7 +21,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import running_servers
 from engine_under_test import oracle
 
 from llava.fronts.local_runtime.server import LocalRuntime
@@ -51,9 +50,8 @@ from notebook_run import (  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def instances(model_store: Path, tmp_path_factory) -> Iterator[list[TorchServe]]:
-    with running_servers(model_store, tmp_path_factory, 2, "nb-ts") as servers:
-        yield servers
+def instances(server_pair: list[TorchServe]) -> list[TorchServe]:
+    return server_pair
 
 
 @pytest.fixture(scope="module")

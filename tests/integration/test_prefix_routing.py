@@ -16,7 +16,6 @@ import httpx
 import openai
 import pytest
 from botocore.config import Config
-from conftest import running_servers
 from engine_under_test import least_reused, oracle
 from helpers import data_uri, make_image, sagemaker_token
 
@@ -36,9 +35,8 @@ def reference(tiny_checkpoint):
 
 
 @pytest.fixture(scope="module")
-def instances(model_store, tmp_path_factory):
-    with running_servers(model_store, tmp_path_factory, 2, "prefix") as servers:
-        yield [ts.url() for ts in servers]
+def instances(server_pair):
+    return [ts.url() for ts in server_pair]
 
 
 @pytest.fixture(scope="module")

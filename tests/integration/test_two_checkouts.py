@@ -75,7 +75,7 @@ def free_block(start: int) -> int:
 
 def answers(port: int) -> bool:
     try:
-        return httpx.get(f"http://127.0.0.1:{port}/ping", timeout=2).status_code == 200
+        return httpx.get(f"http://127.0.0.1:{port}/ping", timeout=10).status_code == 200
     except httpx.HTTPError:
         return False
 
@@ -116,7 +116,7 @@ def test_two_checkouts_serve_side_by_side_and_each_stops_its_own(tmp_path: Path)
         body = {"type": "open_session"}  # a text-only session: served as usual
         assert (
             httpx.post(
-                f"http://127.0.0.1:{ports[1]}/invocations", json=body, timeout=60
+                f"http://127.0.0.1:{ports[1]}/invocations", json=body, timeout=180
             ).status_code
             == 200
         )

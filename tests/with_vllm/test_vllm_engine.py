@@ -395,7 +395,7 @@ def test_a_picture_the_engine_core_let_go_is_sent_again(own_process: Any) -> Non
 def test_a_front_slower_than_the_engine_gets_its_outputs_merged_not_queued(
     own_process: Any,
 ) -> None:
-    """vLLM's engine core steps on its own (its own process): a front that takes three of its
+    """vLLM's engine core steps on its own (its own process): a front that takes four of its
     steps per step of its own must get every output made meanwhile at once, merged per request,
     not one step's a time (a lag that would grow through the answer)."""
     engine, oracle_ = own_process
@@ -410,7 +410,7 @@ def test_a_front_slower_than_the_engine_gets_its_outputs_merged_not_queued(
     slow = engine.start_turn(state, QUESTIONS[0], params, history=False)
     delivered: list[int] = []
     while not slow.done:
-        time.sleep(3 * engine_step)  # the front's own work, three engine steps long
+        time.sleep(4 * engine_step)  # the front's own work, four engine steps long
         assert not engine.step([slow])
         delivered.append(len(slow.generated))
     engine.finish_turn(slow)

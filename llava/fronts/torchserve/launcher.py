@@ -195,7 +195,7 @@ class TorchServe:
         [only] = model["workers"]
         return dict(only)
 
-    def wait_for_new_worker(self, old_pid: int, timeout_s: float = 120) -> dict[str, Any]:
+    def wait_for_new_worker(self, old_pid: int, timeout_s: float = 300) -> dict[str, Any]:
         """Poll until a worker other than `old_pid` is READY (TorchServe restarts a dead one)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
