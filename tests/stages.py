@@ -185,7 +185,7 @@ class Run:
         junit.unlink(missing_ok=True)
         env = dict(os.environ, LLAVA_STAGES_PID=str(os.getpid()))
         env["PYTEST_ADDOPTS"] = f"{env.get('PYTEST_ADDOPTS', '')} --junitxml={junit}".strip()
-        self.say(stage.name, f"make {stage.target} (log: {log_path.relative_to(REPO)})")
+        self.say(stage.name, f"make {stage.target} (log: {os.path.relpath(log_path, REPO)})")
         began = time.monotonic()
         outcome.began = began - self.started
         count = CpuCount(stage.name)
