@@ -154,7 +154,13 @@ stage-images-build: venv
 	$(BIN)/python tests/images/prebuild.py wait
 
 stage-images: venv venv-vllm
-	$(IMAGES_PYTEST) --durations=10 $(IMAGES_IN_TEST)
+	$(IMAGES_PYTEST) --durations=10 --ignore=$(WHEEL_TESTS) $(IMAGES_IN_TEST)
+
+# vLLM's GPU wheel resolved under the lock for the images' Python (pip's resolver, no download):
+# a stage of its own, as it waits on PyPI rather than on the CPU.
+WHEEL_TESTS = tests/images/test_gpu_wheel_resolves.py
+stage-wheels: venv
+	$(PYTEST) --durations=5 $(WHEEL_TESTS)
 
 stage-vllm-engine: venv-vllm
 	$(call IN_NETNS,$(VLLM_PYTEST) --durations=10 $(VLLM_IN_TEST))

@@ -20,13 +20,13 @@ import argparse
 import contextlib
 import json
 import os
+import queue
 import re
 import subprocess
 import sys
 import threading
 import time
 import xml.etree.ElementTree as ElementTree
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +52,7 @@ STAGES: list[Stage] = [
     Stage("install-kit", "venv", 360, computes=False),
     Stage("install-vllm", "venv-vllm", 480, computes=False),
     Stage("images-build", "stage-images-build", 1500, ("install-kit",), computes=False),
+    Stage("wheels", "stage-wheels", 300, ("install-kit",), computes=False),
     Stage("lint", "lint", 120, ("install-kit",)),
     Stage("main", "stage-main", 1500, ("install-kit",)),
     Stage("vllm-engine", "stage-vllm-engine", 720, ("install-vllm",)),
@@ -113,41 +114,16 @@ class CpuCount:
                 self.path.rmdir()
 
 
-class Slots:
-    """The cores the computing stages share: a free one goes to the first stage in STAGES'
-    order among those waiting for one."""
-
-    def __init__(self, count: int) -> None:
-        self.free = count
-        self.waiting: set[int] = set()
-        self.changed = threading.Condition()
-
-    @contextlib.contextmanager
-    def held(self, rank: int) -> Iterator[None]:
-        with self.changed:
-            self.waiting.add(rank)
-            self.changed.wait_for(lambda: self.free > 0 and rank == min(self.waiting))
-            self.waiting.discard(rank)
-            self.free -= 1
-            self.changed.notify_all()
-        try:
-            yield
-        finally:
-            with self.changed:
-                self.free += 1
-                self.changed.notify_all()
-
-
 class Run:
-    """Run every stage when what it waits for passed, the computing ones a slot at a time."""
+    """Start each stage once what it waits for has passed, a computing one only into a free
+    slot, the first in STAGES' order first; keep each stage's outcome."""
 
     def __init__(self, make: str, only: set[str] | None, slots: int) -> None:
         self.make = make
         self.only = only
-        self.slots = Slots(slots)
+        self.slots = slots
         self.started = time.monotonic()
         self.outcomes = {stage.name: Outcome(stage) for stage in STAGES}
-        self.finished = {stage.name: threading.Event() for stage in STAGES}
         self.print_lock = threading.Lock()
 
     def say(self, stage: str, line: str) -> None:
@@ -155,29 +131,48 @@ class Run:
         with self.print_lock:
             print(f"{stamp} {stage:>16} | {line}", flush=True)
 
-    def stage(self, rank: int, stage: Stage) -> None:
-        """Run one stage once what it waits for passed; one whose prerequisite failed is not."""
-        outcome = self.outcomes[stage.name]
-        try:
-            blocked = next((n for n in stage.after if not self.usable(n)), None)
-            if blocked is not None:
-                outcome.why_not_run = f"not run: {blocked} did not pass"
-            elif self.only is not None and stage.name not in self.only:
-                outcome.why_not_run = "left out (--only)"
-            elif stage.computes:
-                with self.slots.held(rank):
-                    self.run(outcome)
-            else:
-                self.run(outcome)
-        finally:
-            self.finished[stage.name].set()
-
-    def usable(self, name: str) -> bool:
-        """Wait for a stage; tell whether what follows it may run (it passed, or was left out
-        on purpose)."""
-        self.finished[name].wait()
+    def passed(self, name: str) -> bool:
+        """Whether what waits for this stage may run: it passed, or was left out on purpose."""
         outcome = self.outcomes[name]
         return outcome.status == 0 or outcome.why_not_run.startswith("left out")
+
+    def go(self) -> int:
+        LOGS.mkdir(parents=True, exist_ok=True)
+        pending, ended = list(STAGES), set[str]()
+        running: dict[str, Stage] = {}
+        finished: queue.Queue[str] = queue.Queue()
+        while pending or running:
+            free = self.slots - sum(stage.computes for stage in running.values())
+            for stage in [s for s in pending if set(s.after) <= ended]:
+                outcome = self.outcomes[stage.name]
+                blocked = next((n for n in stage.after if not self.passed(n)), None)
+                if blocked is not None:
+                    outcome.why_not_run = f"not run: {blocked} did not pass"
+                elif self.only is not None and stage.name not in self.only:
+                    outcome.why_not_run = "left out (--only)"
+                elif stage.computes and free < 1:
+                    continue  # it waits for a slot, ahead of those after it
+                else:
+                    free -= stage.computes
+                    running[stage.name] = stage
+                    threading.Thread(
+                        target=self.run_then_tell, args=(outcome, finished), name=stage.name
+                    ).start()
+                pending.remove(stage)
+                if outcome.why_not_run:
+                    ended.add(stage.name)
+                    break  # what waits for it is looked at again, in order
+            else:
+                name = finished.get()
+                del running[name]
+                ended.add(name)
+        return self.report()
+
+    def run_then_tell(self, outcome: Outcome, finished: queue.Queue[str]) -> None:
+        try:
+            self.run(outcome)
+        finally:
+            finished.put(outcome.stage.name)
 
     def run(self, outcome: Outcome) -> None:
         stage = outcome.stage
@@ -213,18 +208,6 @@ class Run:
         verdict = "passed" if outcome.status == 0 else f"FAILED (exit {outcome.status})"
         cpu = "" if outcome.cpu_s is None else f", {outcome.cpu_s:.0f} CPU-s"
         self.say(stage.name, f"{verdict} in {minutes(outcome.seconds)}{cpu}")
-
-    def go(self) -> int:
-        LOGS.mkdir(parents=True, exist_ok=True)
-        threads = [
-            threading.Thread(target=self.stage, args=(rank, stage), name=stage.name)
-            for rank, stage in enumerate(STAGES)
-        ]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        return self.report()
 
     def report(self) -> int:
         """Print the stage table, the slowest tests and the logs of failed stages; save it."""
@@ -298,6 +281,8 @@ def main() -> int:
     parser.add_argument("--only", nargs="*", help="run these stages (and skip the rest)")
     parser.add_argument("--slots", type=int, default=SLOTS, help="computing stages at once")
     args = parser.parse_args()
+    if args.slots < 1:
+        parser.error("--slots: at least 1")
     known = {s.name for s in STAGES}
     unknown = set(args.only or ()) - known
     if unknown:

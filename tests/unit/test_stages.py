@@ -71,6 +71,9 @@ def test_computing_stages_never_outnumber_the_slots_and_wait_for_what_they_need(
             ended.add(target)
     assert most == 1
     assert ended == set(targets)
+    # each took a free slot in STAGES' order, not in the order what it waited for ended
+    computing = [t for kind, t in events(tmp_path) if kind == "begin" and targets[t].computes]
+    assert computing == [s.target for s in stages.STAGES if s.computes]
 
 
 def test_two_slots_let_two_suites_run_at_once(stages: ModuleType, tmp_path: Path) -> None:
