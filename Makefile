@@ -35,7 +35,7 @@ export PATH := $(abspath $(BIN)):$(PATH)
 help:
 	@echo "make serve   serve MODEL=$(MODEL) on 127.0.0.1:8080 with TorchServe (FRONT=ray: Ray Serve, REPLICAS=N; ENGINE=vllm|transformers)"
 	@echo "make check   ruff, mypy and the tests that need no server (minutes): run it on every change"
-	@echo "make test    run the whole test suite, as CI does (lanes side by side; times in build/test-logs)"
+	@echo "make test    run the whole test suite, as CI does (stages on the cores; times in build/test-logs)"
 	@echo "make test-images  build both images on a stand-in base, run them as SageMaker does (Docker)"
 	@echo "make chat    the chat page on 127.0.0.1:7860, beside a running make serve"
 	@echo "make stress  soak ($(STRESS_CYCLES) open/ask/close cycles) and $(STRESS_SESSIONS) concurrent sessions; prints figures"
@@ -134,7 +134,7 @@ RAY_TESTS = $(call IN_NETNS,$(PYTEST) tests/integration/test_ray_front.py \
 check: venv lint
 	$(PYTEST) tests/unit
 
-# What CI runs: every stage below, in lanes side by side (tests/stages.py prints each stage's
+# What CI runs: every stage below, two at a time (tests/stages.py prints each stage's
 # time against its budget in docs/testing.md, and the slowest tests); each stage's whole output
 # is in build/test-logs/. A stage alone: make stage-<name> (after its install).
 test:
@@ -146,7 +146,7 @@ test:
 stage-main: venv
 	$(call IN_NETNS,$(PYTEST) --durations=10 --ignore=tests/images)
 
-# The images the images lane tests, built from the repo's Dockerfiles on the stand-in base (cold,
+# The images the images stage tests, built from the repo's Dockerfiles on the stand-in base (cold,
 # the build waits on the network as much as on the CPU); dockerd, if started here, lives as long
 # as `make test` does (tests/images/prebuild.py).
 stage-images-build: venv
