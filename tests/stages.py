@@ -36,30 +36,46 @@ LOGS = REPO / "build" / "test-logs"
 
 @dataclass(frozen=True)
 class Stage:
-    """One target of the Makefile, its budget in seconds, the stages it waits for, and whether
-    it computes (takes a core) or mostly waits on the network."""
+    """One target of the Makefile, its budget in seconds, the stages it waits for, the most
+    memory it holds (GiB, as the run's table measured it), and whether it computes (takes a
+    core) or mostly waits on the network."""
 
     name: str
     target: str
     budget_s: int
     after: tuple[str, ...] = ()
+    memory_gb: float = 1.0
     computes: bool = True
 
 
-# Every stage; a computing stage takes a free slot in this order once what it waits for passed
-# (the longest first). Budgets are docs/testing.md's: cold, on CI's 2 cores, beside each other.
+# Every stage; a computing stage takes a free slot in this order (the longest first) once what
+# it waits for passed and its memory fits beside the stages running (a stage that does not fit
+# lets the next one go first): the vLLM stages hold several engines each, and two of them beside
+# each other pushed the machine out of memory (Ray's monitor killed its controller). Budgets and
+# memory are docs/testing.md's: cold, on CI's 2 cores and 24 GiB, beside each other.
 STAGES: list[Stage] = [
     Stage("install-kit", "venv", 360, computes=False),
     Stage("install-vllm", "venv-vllm", 480, computes=False),
-    Stage("images-build", "stage-images-build", 1500, ("install-kit",), computes=False),
-    Stage("wheels", "stage-wheels", 300, ("install-kit",), computes=False),
+    Stage("images-build", "stage-images-build", 1500, ("install-kit",), 2, computes=False),
+    Stage("wheels", "stage-wheels", 300, ("install-kit",), 0.5, computes=False),
     Stage("lint", "lint", 120, ("install-kit",)),
-    Stage("main", "stage-main", 1500, ("install-kit",)),
-    Stage("vllm-engine", "stage-vllm-engine", 720, ("install-vllm",)),
-    Stage("vllm-integration", "stage-vllm-integration", 600, ("install-vllm",)),
-    Stage("images", "stage-images", 900, ("images-build", "install-vllm")),
+    Stage("main", "stage-main", 1500, ("install-kit",), 7),
+    Stage("vllm-engine", "stage-vllm-engine", 720, ("install-vllm",), 6),
+    Stage("vllm-integration", "stage-vllm-integration", 600, ("install-vllm",), 12),
+    Stage("images", "stage-images", 900, ("images-build", "install-vllm"), 9),
 ]
 SLOTS = 2  # CI's cores
+
+
+def machine_memory_gb() -> float:
+    """What the stages may hold at once: four fifths of the machine's memory (the rest is the
+    page cache the suites read their models and libraries through)."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) / 2**20 * 0.8
+    return 16.0
+
+
 # What the console shows of a stage's output: pytest's progress and summary lines.
 SHOWN = re.compile(
     r"\[\s*\d+%\]$|^=+ .*(passed|failed|error|skipped).* =+$|^(FAILED|ERROR) |"
@@ -69,61 +85,96 @@ SHOWN = re.compile(
 
 @dataclass
 class Outcome:
-    """How a stage ended: its exit status (None: not run), its seconds, and the CPU seconds
-    its processes used (None where no cgroup could count them)."""
+    """How a stage went: when what it waited for had passed (ready) and when it began (the
+    difference: its wait for a slot or memory), its exit status (None: not run), its seconds,
+    the CPU seconds its processes used and the most memory they held (None where no cgroup
+    could count them)."""
 
     stage: Stage
     status: int | None = None
+    ready: float | None = None
     began: float = 0.0
     seconds: float = 0.0
     cpu_s: float | None = None
+    peak_gb: float | None = None
     why_not_run: str = ""
 
 
-CPUACCT = Path("/sys/fs/cgroup/cpuacct")
+CGROUPS = Path("/sys/fs/cgroup")
 
 
-class CpuCount:
-    """A cgroup (v1 cpuacct) a stage's processes run in, daemons they start included (not
-    Docker's containers, which Docker puts in its own): on a machine shared by stages, the CPU
-    a stage costs, which its wall time no longer tells."""
+class Accounting:
+    """The cgroups (v1 cpuacct and memory) a stage's processes run in, daemons they start
+    included (not Docker's containers, which Docker puts in its own): on a machine shared by
+    stages, the CPU a stage costs and the most memory its processes held at once (sampled
+    every second), which its wall time no longer tells."""
 
     def __init__(self, name: str) -> None:
-        self.path: Path | None = CPUACCT / f"llava-stage-{os.getpid()}-{name}"
-        try:
-            self.path.mkdir(exist_ok=True)
-        except OSError:  # no cgroup v1 here, or not root: the stage runs uncounted
-            self.path = None
+        self.paths: list[Path] = []
+        for controller in ("cpuacct", "memory"):
+            path = CGROUPS / controller / f"llava-stage-{os.getpid()}-{name}"
+            try:
+                path.mkdir(exist_ok=True)
+            except OSError:  # no cgroup v1 here, or not root: the stage runs uncounted
+                continue
+            self.paths.append(path)
+        self.peak_bytes = 0
+        self.done = threading.Event()
 
     def wrap(self, command: list[str]) -> list[str]:
-        """`command`, run from inside the cgroup."""
-        if self.path is None:
+        """`command`, run from inside the cgroups."""
+        if not self.paths:
             return command
-        procs = self.path / "cgroup.procs"
-        return ["sh", "-c", f'echo $$ > {procs} && exec "$@"', "sh", *command]
+        joins = " && ".join(f"echo $$ > {path / 'cgroup.procs'}" for path in self.paths)
+        return ["sh", "-c", f'{joins} && exec "$@"', "sh", *command]
 
-    def seconds(self) -> float | None:
-        if self.path is None:
-            return None
-        return int((self.path / "cpuacct.usage").read_text()) / 1e9
+    def _read(self, controller: str, field: str) -> int | None:
+        for path in self.paths:
+            if path.parent.name == controller:
+                with contextlib.suppress(OSError, ValueError):
+                    if field.endswith(".usage"):
+                        return int((path / field).read_text())
+                    for line in (path / "memory.stat").read_text().splitlines():
+                        key, value = line.split()
+                        if key == field:
+                            return int(value)
+        return None
+
+    def sample_memory(self) -> None:
+        """Until the stage ends: keep the most resident memory (not file cache) it held."""
+        while not self.done.wait(1.0):
+            held = (self._read("memory", "total_rss") or 0) + (
+                self._read("memory", "total_shmem") or 0
+            )
+            self.peak_bytes = max(self.peak_bytes, held)
+
+    def cpu_seconds(self) -> float | None:
+        used = self._read("cpuacct", "cpuacct.usage")
+        return None if used is None else used / 1e9
+
+    def peak_gb(self) -> float | None:
+        return self.peak_bytes / 2**30 if self.peak_bytes else None
 
     def remove(self) -> None:
-        """Remove the cgroup once it is empty (a daemon left running keeps it: left be)."""
-        if self.path is not None:
+        """Remove the cgroups once empty (a daemon left running keeps one: left be)."""
+        self.done.set()
+        for path in self.paths:
             with contextlib.suppress(OSError):
-                self.path.rmdir()
+                path.rmdir()
 
 
 class Run:
     """Start each stage once what it waits for has passed, a computing one only into a free
     slot, the first in STAGES' order first; keep each stage's outcome."""
 
-    def __init__(self, make: str, only: set[str] | None, slots: int) -> None:
+    def __init__(self, make: str, only: set[str] | None, slots: int, memory_gb: float) -> None:
         self.make = make
         self.only = only
         self.slots = slots
+        self.memory_gb = memory_gb
         self.started = time.monotonic()
         self.outcomes = {stage.name: Outcome(stage) for stage in STAGES}
+        self.events: list[tuple[str, str]] = []  # ready, start, end: as the loop saw them
         self.print_lock = threading.Lock()
 
     def say(self, stage: str, line: str) -> None:
@@ -145,16 +196,20 @@ class Run:
             free = self.slots - sum(stage.computes for stage in running.values())
             for stage in [s for s in pending if set(s.after) <= ended]:
                 outcome = self.outcomes[stage.name]
+                if outcome.ready is None:
+                    outcome.ready = time.monotonic() - self.started
+                    self.events.append(("ready", stage.name))
                 blocked = next((n for n in stage.after if not self.passed(n)), None)
                 if blocked is not None:
                     outcome.why_not_run = f"not run: {blocked} did not pass"
                 elif self.only is not None and stage.name not in self.only:
                     outcome.why_not_run = "left out (--only)"
-                elif stage.computes and free < 1:
-                    continue  # it waits for a slot, ahead of those after it
+                elif stage.computes and (free < 1 or not self.fits(stage, running)):
+                    continue  # it waits for a slot, or for memory
                 else:
                     free -= stage.computes
                     running[stage.name] = stage
+                    self.events.append(("start", stage.name))
                     threading.Thread(
                         target=self.run_then_tell, args=(outcome, finished), name=stage.name
                     ).start()
@@ -166,7 +221,15 @@ class Run:
                 name = finished.get()
                 del running[name]
                 ended.add(name)
+                self.events.append(("end", name))
         return self.report()
+
+    def fits(self, stage: Stage, running: dict[str, Stage]) -> bool:
+        """Whether the stage's memory fits beside the running ones' (alone, it always does)."""
+        if not any(s.computes for s in running.values()):
+            return True
+        held = sum(s.memory_gb for s in running.values())
+        return held + stage.memory_gb <= self.memory_gb
 
     def run_then_tell(self, outcome: Outcome, finished: queue.Queue[str]) -> None:
         try:
@@ -183,7 +246,8 @@ class Run:
         self.say(stage.name, f"make {stage.target} (log: {os.path.relpath(log_path, REPO)})")
         began = time.monotonic()
         outcome.began = began - self.started
-        count = CpuCount(stage.name)
+        count = Accounting(stage.name)
+        threading.Thread(target=count.sample_memory, daemon=True).start()
         with open(log_path, "w", encoding="utf-8", errors="replace") as log:
             process = subprocess.Popen(
                 count.wrap([self.make, "--no-print-directory", stage.target]),
@@ -203,17 +267,23 @@ class Run:
                     self.say(stage.name, line.rstrip())
             outcome.status = process.wait()
         outcome.seconds = time.monotonic() - began
-        outcome.cpu_s = count.seconds()
+        outcome.cpu_s = count.cpu_seconds()
+        outcome.peak_gb = count.peak_gb()
         count.remove()
         verdict = "passed" if outcome.status == 0 else f"FAILED (exit {outcome.status})"
         cpu = "" if outcome.cpu_s is None else f", {outcome.cpu_s:.0f} CPU-s"
+        if outcome.peak_gb is not None:
+            cpu += f", at most {outcome.peak_gb:.1f} GiB"
         self.say(stage.name, f"{verdict} in {minutes(outcome.seconds)}{cpu}")
 
     def report(self) -> int:
         """Print the stage table, the slowest tests and the logs of failed stages; save it."""
         wall = time.monotonic() - self.started
         rows = []
-        print(f"\n{'stage':<18}{'began':>8}{'time':>8}{'budget':>8}{'CPU-s':>8}  result")
+        print(
+            f"\n{'stage':<18}{'began':>8}{'waited':>8}{'time':>8}{'budget':>8}{'CPU-s':>8}"
+            f"{'GiB':>6}  result"
+        )
         for outcome in self.outcomes.values():
             stage = outcome.stage
             if outcome.status is None:
@@ -223,21 +293,26 @@ class Run:
             else:
                 result = "passed" + ("  (over budget)" if outcome.seconds > stage.budget_s else "")
             cpu = "" if outcome.cpu_s is None else f"{outcome.cpu_s:.0f}"
+            peak = "" if outcome.peak_gb is None else f"{outcome.peak_gb:.1f}"
+            waited = outcome.began - (outcome.ready or 0.0) if outcome.status is not None else 0.0
             print(
-                f"{stage.name:<18}{minutes(outcome.began):>8}{minutes(outcome.seconds):>8}"
-                f"{minutes(stage.budget_s):>8}{cpu:>8}  {result}"
+                f"{stage.name:<18}{minutes(outcome.began):>8}{minutes(waited):>8}"
+                f"{minutes(outcome.seconds):>8}"
+                f"{minutes(stage.budget_s):>8}{cpu:>8}{peak:>6}  {result}"
             )
             rows.append(
                 {
                     "stage": stage.name,
                     "began_s": round(outcome.began, 1),
+                    "waited_s": round(waited, 1),
                     "seconds": round(outcome.seconds, 1),
                     "cpu_s": None if outcome.cpu_s is None else round(outcome.cpu_s),
+                    "peak_gb": None if outcome.peak_gb is None else round(outcome.peak_gb, 2),
                     "budget_s": stage.budget_s,
                     "status": outcome.status,
                 }
             )
-        print(f"{'all stages':<18}{'':>8}{minutes(wall):>8}")
+        print(f"{'all stages':<18}{'':>16}{minutes(wall):>8}")
         slowest = slowest_tests(
             [o.stage.name for o in self.outcomes.values() if o.status is not None], 15
         )
@@ -280,6 +355,9 @@ def main() -> int:
     parser.add_argument("--make", default="make", help="the make to run each stage with")
     parser.add_argument("--only", nargs="*", help="run these stages (and skip the rest)")
     parser.add_argument("--slots", type=int, default=SLOTS, help="computing stages at once")
+    parser.add_argument(
+        "--memory-gb", type=float, default=machine_memory_gb(), help="what stages may hold"
+    )
     args = parser.parse_args()
     if args.slots < 1:
         parser.error("--slots: at least 1")
@@ -287,7 +365,8 @@ def main() -> int:
     unknown = set(args.only or ()) - known
     if unknown:
         parser.error(f"no stage named {', '.join(sorted(unknown))}; stages: {sorted(known)}")
-    return Run(args.make, set(args.only) if args.only else None, args.slots).go()
+    only = set(args.only) if args.only else None
+    return Run(args.make, only, args.slots, args.memory_gb).go()
 
 
 if __name__ == "__main__":

@@ -58,24 +58,44 @@ def serving_profile(
 FAMILY_ENV = {"LLAVA_DEVICE_BUDGET_MB": "0.04", "LLAVA_STEP_TOKEN_BUDGET": "7"}
 
 
+# How many family servers the run keeps at once: every one on the transformers engine (a few
+# hundred MB each); two on vLLM, whose servers hold an engine core and its worker (GBs each),
+# the least recently used stopped first.
+FAMILY_SERVERS_KEPT = 2 if engine_under_test.ON_VLLM else None
+
+
 @pytest.fixture(scope="session")
 def family_server(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Callable[[str], tuple[TorchServe, Any]]]:
     """`family_server(profile)`: a server of that tiny family and its oracle, started on first
-    use and shared by every test after; at the end, no server's logs may show a worker death."""
-    servers: dict[str, tuple[TorchServe, Any]] = {}
-    with ExitStack() as stack:
+    use and shared by every test after (while FAMILY_SERVERS_KEPT allows); no server's logs may
+    show a worker death once it stops."""
+    servers: dict[str, tuple[ExitStack, tuple[TorchServe, Any]]] = {}
 
-        def serve(profile: str) -> tuple[TorchServe, Any]:
-            if profile not in servers:
-                served = serving_profile(profile, tmp_path_factory, **FAMILY_ENV)
-                servers[profile] = stack.enter_context(served)
-            return servers[profile]
-
-        yield serve
-        for server, _ in servers.values():
+    def stop(profile: str) -> None:
+        stack, (server, _) = servers.pop(profile)
+        with stack:
             assert_no_worker_death(server)
+
+    def serve(profile: str) -> tuple[TorchServe, Any]:
+        if profile not in servers:
+            while FAMILY_SERVERS_KEPT is not None and len(servers) >= FAMILY_SERVERS_KEPT:
+                stop(next(iter(servers)))
+            stack = ExitStack()
+            served = stack.enter_context(serving_profile(profile, tmp_path_factory, **FAMILY_ENV))
+            servers[profile] = stack, served
+        servers[profile] = servers.pop(profile)  # the most recently used goes last
+        return servers[profile][1]
+
+    yield serve
+    deaths = []
+    for profile in list(servers):  # each stops, whichever of them shows a death
+        try:
+            stop(profile)
+        except AssertionError as death:
+            deaths.append(str(death))
+    assert not deaths, "\n".join(deaths)
 
 
 @contextmanager

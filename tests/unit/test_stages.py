@@ -25,86 +25,108 @@ def stages() -> ModuleType:
 
 
 def fake_make(tmp_path: Path, failing: str = "") -> Path:
-    """A `make` that records when each target begins and ends, failing `failing`."""
-    record = tmp_path / "record"
+    """A `make` that does each stage's work in a moment and fails `failing`."""
     script = tmp_path / "make"
     script.write_text(
         "#!/bin/sh\n"
-        'target="$2"\n'
-        f'echo "begin $target" >> {record}\n'
-        'python3 -c "import time; time.sleep(0.2)"  # the stage\'s work\n'
-        f'echo "end $target" >> {record}\n'
-        f'[ "$target" != "{failing}" ]\n'
+        'python3 -c "import time; time.sleep(0.1)"  # the stage\'s work\n'
+        f'[ "$2" != "{failing}" ]\n'
     )
     script.chmod(0o755)
     return script
 
 
-def events(tmp_path: Path) -> list[tuple[str, str]]:
-    lines = (tmp_path / "record").read_text().splitlines()
-    return [(kind, target) for kind, target in (line.split() for line in lines)]
-
-
-def run(stages: ModuleType, tmp_path: Path, slots: int, failing: str = "") -> int:
+def run(stages: ModuleType, tmp_path: Path, slots: int, failing: str = "", memory_gb: float = 64):
+    """Run every stage with the fake make; return the run (its outcomes and events)."""
     stages.LOGS = tmp_path / "logs"
-    outcome: int = stages.Run(str(fake_make(tmp_path, failing)), None, slots).go()
-    return outcome
+    run = stages.Run(str(fake_make(tmp_path, failing)), None, slots, memory_gb)
+    run.status = run.go()
+    return run
 
 
-def test_computing_stages_never_outnumber_the_slots_and_wait_for_what_they_need(
+def test_computing_stages_take_free_slots_first_in_order_once_what_they_wait_for_passed(
     stages: ModuleType, tmp_path: Path
 ) -> None:
-    assert run(stages, tmp_path, slots=1) == 0
-    targets = {s.target: s for s in stages.STAGES}
-    running: set[str] = set()
-    ended: set[str] = set()
-    most = 0
-    for kind, target in events(tmp_path):
-        stage = targets[target]
-        if kind == "begin":
-            assert {targets[t].name for t in ended} >= {*stage.after}, (target, ended)
+    done = run(stages, tmp_path, slots=1)
+    assert done.status == 0
+    by_name = {s.name: s for s in stages.STAGES}
+    rank = {s.name: i for i, s in enumerate(stages.STAGES)}
+    ready, running, ended, most = [], set(), set(), 0
+    for kind, name in done.events:
+        stage = by_name[name]
+        if kind == "ready":
+            assert set(stage.after) <= ended
+            ready.append(name)
+        elif kind == "start":
+            assert name in ready
             if stage.computes:
-                running.add(target)
+                running.add(name)
                 most = max(most, len(running))
+                waiting = [n for n in ready if by_name[n].computes and n not in running | ended]
+                assert all(rank[n] > rank[name] for n in waiting), (name, waiting)
         else:
-            running.discard(target)
-            ended.add(target)
+            running.discard(name)
+            ended.add(name)
     assert most == 1
-    assert ended == set(targets)
-    # each took a free slot in STAGES' order, not in the order what it waited for ended
-    computing = [t for kind, t in events(tmp_path) if kind == "begin" and targets[t].computes]
-    assert computing == [s.target for s in stages.STAGES if s.computes]
+    assert ended == set(by_name)
 
 
 def test_two_slots_let_two_suites_run_at_once(stages: ModuleType, tmp_path: Path) -> None:
-    assert run(stages, tmp_path, slots=2) == 0
+    done = run(stages, tmp_path, slots=2)
+    assert done.status == 0
+    computing = {s.name for s in stages.STAGES if s.computes}
     running, most = 0, 0
-    computing = {s.target for s in stages.STAGES if s.computes}
-    for kind, target in events(tmp_path):
-        if target in computing:
-            running += 1 if kind == "begin" else -1
+    for kind, name in done.events:
+        if name in computing and kind != "ready":
+            running += 1 if kind == "start" else -1
             most = max(most, running)
     assert most == 2
 
 
+@pytest.mark.parametrize("memory_gb", [1.5, 13])
+def test_a_stage_starts_beside_others_only_where_its_memory_fits(
+    stages: ModuleType, tmp_path: Path, memory_gb: float
+) -> None:
+    done = run(stages, tmp_path, slots=2, memory_gb=memory_gb)
+    assert done.status == 0
+    by_name = {s.name: s for s in stages.STAGES}
+    running: set[str] = set()
+    beside = 0
+    for kind, name in done.events:
+        stage = by_name[name]
+        if kind == "end":
+            running.discard(name)
+        elif kind == "start":
+            if stage.computes and any(by_name[n].computes for n in running):
+                held = sum(by_name[n].memory_gb for n in running) + stage.memory_gb
+                assert held <= memory_gb, (name, running)
+                beside += 1
+            running.add(name)
+    assert (beside > 0) == (memory_gb > 2)  # two suites side by side only where they fit
+
+
 def test_a_failed_stage_stops_what_waits_for_it_only(stages: ModuleType, tmp_path: Path) -> None:
-    assert run(stages, tmp_path, slots=2, failing="venv-vllm") == 1
-    begun = {target for kind, target in events(tmp_path) if kind == "begin"}
-    needs_vllm = {s.target for s in stages.STAGES if "install-vllm" in s.after}
+    done = run(stages, tmp_path, slots=2, failing="venv-vllm")
+    assert done.status == 1
+    begun = {name for kind, name in done.events if kind == "start"}
+    needs_vllm = {s.name for s in stages.STAGES if "install-vllm" in s.after}
     assert needs_vllm and not begun & needs_vllm
-    assert {"stage-main", "lint", "stage-images-build"} <= begun
+    assert {"main", "lint", "images-build"} <= begun
+    assert all(
+        done.outcomes[n].why_not_run == "not run: install-vllm did not pass" for n in needs_vllm
+    )
     summary = (tmp_path / "logs" / "summary.json").read_text()
     assert '"status": 1' in summary
 
 
 def test_the_budgets_in_docs_testing_md_are_the_ones_the_run_checks(stages: ModuleType) -> None:
     table = (REPO / "docs" / "testing.md").read_text()
-    row = r"^\| `([a-z-]+)` \|\s*([a-z-, ]*?)\s*\| (yes|no) \| (\d+):(\d\d) \|"
+    row = r"^\| `([a-z-]+)` \|\s*([a-z-, ]*?)\s*\| (yes|no) \| (\d+):(\d\d) \| ([\d.]+) \|"
     rows = re.findall(row, table, re.M)
     documented = {
         name: (tuple(a.strip() for a in after.split(",") if a.strip()), computes == "yes",
-               int(m) * 60 + int(s))
-        for name, after, computes, m, s in rows
+               int(m) * 60 + int(s), float(gb))
+        for name, after, computes, m, s, gb in rows
     }  # fmt: skip
-    declared = {s.name: (s.after, s.computes, s.budget_s) for s in stages.STAGES}
+    declared = {s.name: (s.after, s.computes, s.budget_s, s.memory_gb) for s in stages.STAGES}
     assert documented == declared

@@ -15,7 +15,8 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 def vllm_config(**overrides: Any) -> Any:
-    """The kit's settings for vLLM in tests (the compile time is not what they test)."""
+    """The kit's settings for vLLM in tests (the compile time is not what they test), with the
+    servers' small KV cache: the engine tests hold an engine and an oracle per family at once."""
     from llava.core.config import ServerConfig
 
     values: dict[str, Any] = {
@@ -23,6 +24,7 @@ def vllm_config(**overrides: Any) -> Any:
         "dtype": "float32",
         "enforce_eager": True,
         "max_context_tokens": 1024,
+        "kv_cache_gb": float(VLLM_SERVER_ENV["LLAVA_KV_CACHE_GB"]),
     }
     return ServerConfig(**{**values, **overrides})
 

@@ -314,14 +314,15 @@ def test_on_a_cpu_vllms_kv_cache_fits_beside_other_programs(
     from llava.engines.vllm.starting import engine_args
 
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
-    args = engine_args(CHECKOUT / "models" / "shapes", vllm_config())
+    args = engine_args(CHECKOUT / "models" / "shapes", vllm_config(kv_cache_gb=0))
     available = psutil.virtual_memory().available
     assert 0 < args.kv_cache_memory_bytes <= min(available // 4, 8 * 2**30)
     assert args.kv_cache_memory_bytes >= min(available // 5, 8 * 2**30 - 2**20)
     args = engine_args(CHECKOUT / "models" / "shapes", vllm_config(kv_cache_gb=1.5))
     assert args.kv_cache_memory_bytes == int(1.5 * 2**30)
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")  # vLLM's own setting, as it reads it
-    assert engine_args(CHECKOUT / "models" / "shapes", vllm_config()).kv_cache_memory_bytes is None
+    unset = vllm_config(kv_cache_gb=0)  # no size configured: vLLM's own setting stands
+    assert engine_args(CHECKOUT / "models" / "shapes", unset).kv_cache_memory_bytes is None
 
 
 def test_sessions_pictures_are_held_to_the_host_budget(family: Any) -> None:
