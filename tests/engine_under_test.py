@@ -23,9 +23,9 @@ VLLM_SERVER_ENV = {
     "LLAVA_DTYPE": "float32",
     "LLAVA_ENFORCE_EAGER": "true",
     "LLAVA_MAX_CONTEXT_TOKENS": "2048",  # as the tiny profiles and the reference
-    "VLLM_CPU_KVCACHE_SPACE": "1",
     # A quarter GiB of KV space per engine (half a million tokens of a tiny profile): the vLLM
-    # pass holds several servers and oracles at once in this machine's memory.
+    # pass holds several servers and oracles at once in this machine's memory. Not vLLM's own
+    # VLLM_CPU_KVCACHE_SPACE: set, it overrides every engine's size (whole GiB only).
     "LLAVA_KV_CACHE_GB": "0.25",
 }
 

@@ -32,12 +32,12 @@ IMAGES = [
 # wheel at one GPU per engine runs the executor inside the engine core and needs none.
 VLLM_CPU_SHM = "1g"
 # What a SageMaker model's Environment would set for vLLM on this CPU machine: the test
-# checkpoints' settings (eager, float32, a context of 1,024) and a 1 GiB KV cache.
+# checkpoints' settings (eager, float32, a context of 1,024) and a quarter-GiB KV cache.
 VLLM_CPU_ENV = {
     "LLAVA_DTYPE": "float32",
     "LLAVA_ENFORCE_EAGER": "true",
     "LLAVA_MAX_CONTEXT_TOKENS": "1024",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "LLAVA_KV_CACHE_GB": "0.25",
 }
 
 

@@ -11,7 +11,6 @@ import pytest
 from engine_under_test import VLLM_SERVER_ENV
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: starts in seconds
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 def vllm_config(**overrides: Any) -> Any:

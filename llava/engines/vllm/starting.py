@@ -58,6 +58,13 @@ def kv_cache_bytes(configured_gb: float, on_cpu: bool) -> int | None:
     `gpu_memory_utilization` of all the machine's memory, and will not start beside other
     programs), unless VLLM_CPU_KVCACHE_SPACE says; else vLLM's (its share of each GPU)."""
     if configured_gb:
+        if on_cpu and os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            log.warning(
+                "VLLM_CPU_KVCACHE_SPACE=%s overrides kv_cache_gb=%s (vLLM applies its own "
+                "setting over the size asked for): unset one of them",
+                os.environ["VLLM_CPU_KVCACHE_SPACE"],
+                configured_gb,
+            )
         return int(configured_gb * 2**30)
     if not on_cpu or os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
         return None
