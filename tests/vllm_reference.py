@@ -66,7 +66,7 @@ class VllmReference(Reference):
                 seed=0,
                 enable_prefix_caching=False,
                 limit_mm_per_prompt={"image": 8},
-                **engine,
+                **{"kv_cache_memory_bytes": ORACLE_KV, **engine},  # vLLM's CPU default: 0.9 of RAM
             )
         self.eos = self.processor.tokenizer.eos_token_id
 
@@ -78,7 +78,7 @@ class VllmReference(Reference):
         if key not in cls._loaded:
             while len(cls._loaded) >= KEPT:
                 cls._loaded.pop(next(iter(cls._loaded))).shutdown()
-            cls._loaded[key] = cls(Path(checkpoint), dtype, kv_cache_memory_bytes=ORACLE_KV)
+            cls._loaded[key] = cls(Path(checkpoint), dtype)
         cls._loaded[key] = cls._loaded.pop(key)  # the most recently used goes last
         return cls._loaded[key]
 

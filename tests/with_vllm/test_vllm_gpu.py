@@ -97,11 +97,15 @@ def test_both_engines_answer_as_vllms_offline_generate(gpu: Setting, checkpoint:
         import torch
 
         torch.cuda.empty_cache()
-    on_card: dict[str, Any] = {"gpu_memory_utilization": SHARE} if gpu.device == "cuda" else {}
-    config = vllm_config(dtype=gpu.dtype, enforce_eager=gpu.device == "cpu", **on_card)
+    cuda = gpu.device == "cuda"  # on a card, vLLM sizes its KV cache by its share of it
+    on_card: dict[str, Any] = {"gpu_memory_utilization": SHARE} if cuda else {}
+    config = vllm_config(
+        dtype=gpu.dtype, enforce_eager=not cuda, **on_card, **({"kv_cache_gb": 0} if cuda else {})
+    )
     engine = VllmEngine.load(checkpoint, config)
     by_engine["vllm"] = converse(engine)
-    oracle = Oracle(checkpoint, dtype=gpu.dtype, **on_card)
+    sized = {"kv_cache_memory_bytes": None} if cuda else {}
+    oracle = Oracle(checkpoint, dtype=gpu.dtype, **on_card, **sized)
     for name, (answered, seconds) in by_engine.items():
         print(f"\n{name}: {SESSIONS} sessions x {len(PROMPTS)} turns in {seconds:.2f} s")
         for i, turns in enumerate(answered):
