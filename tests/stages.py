@@ -60,8 +60,8 @@ STAGES: list[Stage] = [
     Stage("wheels", "stage-wheels", 300, ("install-kit",), 0.5, computes=False),
     Stage("lint", "lint", 120, ("install-kit",)),
     Stage("main", "stage-main", 1500, ("install-kit",), 7),
-    Stage("vllm-engine", "stage-vllm-engine", 720, ("install-vllm",), 6),
-    Stage("vllm-integration", "stage-vllm-integration", 600, ("install-vllm",), 12),
+    Stage("vllm-engine", "stage-vllm-engine", 720, ("install-vllm",), 7.5),
+    Stage("vllm-integration", "stage-vllm-integration", 600, ("install-vllm",), 12.5),
     Stage("images", "stage-images", 900, ("images-build", "install-vllm"), 9),
 ]
 SLOTS = 2  # CI's cores
