@@ -112,13 +112,19 @@ class Instance:
 
 
 def _long_stream(
-    session: Any, answering: threading.Event, over: threading.Event, failed: list[BaseException]
+    session: Any,
+    seed: int,
+    answering: threading.Event,
+    over: threading.Event,
+    failed: list[BaseException],
 ) -> None:
     """A long sampled side answer (history=False: finished or not, the conversation is left as
-    it was), read until the connection breaks (`answering`: a chunk came)."""
+    it was), read until the connection breaks (`answering`: a chunk came). Each stream its own
+    seed: sampled answers end where they draw the end token, so one seed for all could end
+    every one of them early, before the kill."""
     try:
         for _ in session.stream(
-            "Tell me more.", max_new_tokens=900, temperature=2.0, seed=3, history=False
+            "Tell me more.", max_new_tokens=900, temperature=2.0, seed=seed, history=False
         ):
             answering.set()
     except Exception as error:  # the container is killed under it
@@ -183,8 +189,8 @@ def test_conversations_survive_a_killed_and_a_replaced_container(
             answering, failed = threading.Event(), []
             overs = [threading.Event() for _ in victims]
             streamers = [
-                threading.Thread(target=_long_stream, args=(victim, answering, over, failed))
-                for victim, over in zip(victims, overs, strict=True)
+                threading.Thread(target=_long_stream, args=(victim, 3 + i, answering, over, failed))
+                for i, (victim, over) in enumerate(zip(victims, overs, strict=True))
             ]
             for streamer in streamers:
                 streamer.start()
