@@ -23,6 +23,7 @@ import multiprocessing.connection
 import os
 import pickle
 import sys
+import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -82,7 +83,34 @@ def process_context(*run: Callable[..., Any]) -> multiprocessing.context.BaseCon
     context = multiprocessing.get_context("forkserver")
     modules = {getattr(f, "__module__", None) or type(f).__module__ for f in run}
     context.set_forkserver_preload(["__main__", __name__, *sorted(modules)])
+    _fit_forkserver_socket()
     return context
+
+
+# A Unix socket's path holds at most 107 bytes; the fork server's is multiprocessing's temporary
+# folder (pymp-XXXXXXXX, made in tempfile's) and listener-XXXXXXXX in it.
+UNIX_PATH_MAX = 107
+FORKSERVER_SOCKET_CHARS = len("/pymp-XXXXXXXX/listener-XXXXXXXX")
+SHORT_TEMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
+
+
+def _fit_forkserver_socket() -> None:
+    """Make multiprocessing's temporary folder in a short one where TMPDIR is too long for the
+    fork server's socket (`make serve` points TMPDIR into the checkout; a deep checkout would
+    otherwise fail every worker's start with `AF_UNIX path too long`)."""
+    from multiprocessing import util
+
+    if len(tempfile.gettempdir()) + FORKSERVER_SOCKET_CHARS <= UNIX_PATH_MAX:
+        return
+    short = next((d for d in SHORT_TEMP_DIRS if os.access(d, os.W_OK | os.X_OK)), None)
+    if short is None:
+        return  # nowhere shorter: the fork server says why it cannot start
+    saved = tempfile.tempdir
+    tempfile.tempdir = short
+    try:
+        util.get_temp_dir()  # made now, kept by multiprocessing for this process
+    finally:
+        tempfile.tempdir = saved
 
 
 def _decode_and_prepare(data: Any, earlier: list[Any]) -> Any:

@@ -4,6 +4,7 @@ outliving its worker."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import select
@@ -124,6 +125,39 @@ def test_image_processes_exit_with_their_worker(tmp_path: Path) -> None:
         finally:
             os.close(exited)
         assert readable, f"image process {pid} outlived its worker by 30 s"
+
+
+def test_image_processes_start_where_tmpdir_is_too_deep_for_a_socket(tmp_path: Path) -> None:
+    """`make serve` points TMPDIR into the checkout: in a deep one, the fork server's socket
+    path would pass the 107 bytes a Unix socket takes, and every worker failed to start."""
+    deep = tmp_path / ("a-checkout-folder-with-a-long-name-" * 3) / ".torchserve"
+    deep.mkdir(parents=True)
+    script = tmp_path / "worker.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import json, tempfile
+            from helpers import pid_and, same
+            from llava.images.processes import ImageProcesses
+            if __name__ == "__main__":
+                processes = ImageProcesses(same, pid_and, 1)
+                try:
+                    image = processes.run("a picture", [])[1]
+                    print(json.dumps([image, tempfile.gettempdir()]), flush=True)
+                finally:
+                    processes.close()
+            """
+        )
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "TMPDIR": str(deep)}
+    worker = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert worker.returncode == 0, worker.stderr[-2000:]
+    assert json.loads(worker.stdout) == [
+        "a picture",
+        str(deep),
+    ]  # the worker's own temporary files stay where TMPDIR says
 
 
 @pytest.mark.parametrize("profile", ["llava15", "next", "onevision"])
