@@ -141,10 +141,23 @@ test:
 	@test -n "$(PYTHON)" || { echo "need Python 3.10 to 3.13 on PATH (or set PYTHON=)"; exit 1; }
 	$(PYTHON) tests/stages.py --make "$(MAKE)"
 
-# The kit's suite on the transformers engine: unit, integration (TorchServe, the local runtime,
-# browsers) and Ray Serve (two replicas, a two-node cluster), all in one run in the namespace.
+# The kit's suite on the transformers engine, in three stages the cores share: `main` (unit and
+# integration on TorchServe: every test module not named below, a new one included), `fronts`
+# (what runs Ray Serve, the local runtime or the shared store: the modules that take a front from
+# FRONTS, and their own) and `sees` (the default model's truth over 500 scenes). Each runs in a
+# private network namespace, where Ray may bind the machine's own address.
+FRONTS_TESTS = $(addprefix tests/integration/test_,$(addsuffix .py,local_runtime notebook \
+	openai_api prefix_routing ray_front sessions_api shared_sessions sockets store_chaos))
+SEES_TESTS = tests/integration/test_sees.py
 stage-main: venv
-	$(call IN_NETNS,$(PYTEST) --durations=10 --ignore=tests/images)
+	$(call IN_NETNS,$(PYTEST) --durations=10 --ignore=tests/images \
+		$(addprefix --ignore=,$(FRONTS_TESTS) $(SEES_TESTS)))
+
+stage-fronts: venv
+	$(call IN_NETNS,$(PYTEST) --durations=10 $(FRONTS_TESTS))
+
+stage-sees: venv
+	$(call IN_NETNS,$(PYTEST) --durations=10 $(SEES_TESTS))
 
 # The images the images stage tests, built from the repo's Dockerfiles on the stand-in base (cold,
 # the build waits on the network as much as on the CPU); dockerd, if started here, lives as long

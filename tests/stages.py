@@ -59,10 +59,12 @@ STAGES: list[Stage] = [
     Stage("images-build", "stage-images-build", 1500, ("install-kit",), 2, computes=False),
     Stage("wheels", "stage-wheels", 300, ("install-kit",), 0.5, computes=False),
     Stage("lint", "lint", 120, ("install-kit",)),
-    Stage("main", "stage-main", 1500, ("install-kit",), 7),
-    Stage("vllm-engine", "stage-vllm-engine", 720, ("install-vllm",), 7.5),
-    Stage("vllm-integration", "stage-vllm-integration", 600, ("install-vllm",), 12.5),
+    Stage("main", "stage-main", 1320, ("install-kit",), 6),
+    Stage("vllm-engine", "stage-vllm-engine", 900, ("install-vllm",), 7.5),
     Stage("images", "stage-images", 900, ("images-build", "install-vllm"), 9),
+    Stage("vllm-integration", "stage-vllm-integration", 600, ("install-vllm",), 10.5),
+    Stage("sees", "stage-sees", 600, ("install-kit",), 3),
+    Stage("fronts", "stage-fronts", 600, ("install-kit",), 6),
 ]
 SLOTS = 2  # CI's cores
 

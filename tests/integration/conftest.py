@@ -59,9 +59,8 @@ FAMILY_ENV = {"LLAVA_DEVICE_BUDGET_MB": "0.04", "LLAVA_STEP_TOKEN_BUDGET": "7"}
 
 
 # How many family servers the run keeps at once: every one on the transformers engine (a few
-# hundred MB each); two on vLLM, whose servers hold an engine core and its worker (GBs each),
-# the least recently used stopped first.
-FAMILY_SERVERS_KEPT = 2 if engine_under_test.ON_VLLM else None
+# hundred MB each); one on vLLM, whose servers hold an engine core and its worker (about 2 GB).
+FAMILY_SERVERS_KEPT = 1 if engine_under_test.ON_VLLM else None
 
 
 @pytest.fixture(scope="session")
