@@ -63,7 +63,7 @@ STAGES: list[Stage] = [
     Stage("vllm-engine", "stage-vllm-engine", 900, ("install-vllm",), 7.5),
     Stage("images", "stage-images", 900, ("images-build", "install-vllm"), 9),
     Stage("vllm-integration", "stage-vllm-integration", 600, ("install-vllm",), 10.5),
-    Stage("sees", "stage-sees", 600, ("install-kit",), 3),
+    Stage("sees", "stage-sees", 900, ("install-kit",), 3),
     Stage("fronts", "stage-fronts", 600, ("install-kit",), 6),
 ]
 SLOTS = 2  # CI's cores
