@@ -30,7 +30,7 @@ ECR_REPOSITORY ?=
 export PATH := $(abspath $(BIN)):$(PATH)
 
 .PHONY: help venv venv-vllm dev archive serve stop chat check test stage-main stage-images-build \
-	stage-images stage-vllm-engine stage-vllm-integration test-ray test-images test-vllm test-vllm-integration test-gpu bench-gpu lint clean bench build-and-push deploy delete local-endpoint stress chaos
+	stage-fronts stage-sees stage-wheels stage-images stage-vllm-engine stage-vllm-integration test-ray test-images test-vllm test-vllm-integration test-gpu bench-gpu lint clean bench build-and-push deploy delete local-endpoint stress chaos
 
 help:
 	@echo "make serve   serve MODEL=$(MODEL) on 127.0.0.1:8080 with TorchServe (FRONT=ray: Ray Serve, REPLICAS=N; ENGINE=vllm|transformers)"

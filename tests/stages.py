@@ -66,6 +66,10 @@ STAGES: list[Stage] = [
     Stage("sees", "stage-sees", 900, ("install-kit",), 3),
     Stage("fronts", "stage-fronts", 600, ("install-kit",), 6),
 ]
+assert all(
+    set(stage.after) <= {earlier.name for earlier in STAGES[:rank]}
+    for rank, stage in enumerate(STAGES)
+), "a stage waits only for stages listed before it"
 SLOTS = 2  # CI's cores
 
 
@@ -234,8 +238,16 @@ class Run:
         return held + stage.memory_gb <= self.memory_gb
 
     def run_then_tell(self, outcome: Outcome, finished: queue.Queue[str]) -> None:
+        """Run the stage; a stage that could not even be run (no process started: out of
+        memory, out of files) fails the run with its reason, rather than passing unseen."""
         try:
             self.run(outcome)
+        except Exception as error:  # noqa: BLE001 (reported as the stage's failure)
+            outcome.status = outcome.status or 1
+            self.say(outcome.stage.name, f"FAILED: could not run it: {error!r}")
+            log_path = LOGS / f"{outcome.stage.name}.log"
+            with contextlib.suppress(OSError), open(log_path, "a", encoding="utf-8") as log:
+                log.write(f"\ntests/stages.py could not run this stage: {error!r}\n")
         finally:
             finished.put(outcome.stage.name)
 

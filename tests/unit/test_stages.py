@@ -130,3 +130,23 @@ def test_the_budgets_in_docs_testing_md_are_the_ones_the_run_checks(stages: Modu
     }  # fmt: skip
     declared = {s.name: (s.after, s.computes, s.budget_s, s.memory_gb) for s in stages.STAGES}
     assert documented == declared
+
+
+def test_a_stage_that_cannot_be_run_fails_the_run(
+    stages: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No process could be started (out of memory, out of files): the stage fails, and what
+    waits for it is not run, rather than the run passing with the stage unseen."""
+    stages.LOGS = tmp_path / "logs"
+    done = stages.Run(str(fake_make(tmp_path)), None, 2, 64)
+
+    def cannot(outcome: object) -> None:
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(done, "run", cannot)
+    assert done.go() == 1
+    first = [o for o in done.outcomes.values() if not o.stage.after]
+    assert first and all(o.status == 1 for o in first)
+    assert all(o.why_not_run.startswith("not run") for o in done.outcomes.values() if o.stage.after)
+    log = (tmp_path / "logs" / "install-kit.log").read_text()
+    assert "could not run this stage: OSError(12, 'Cannot allocate memory')" in log
